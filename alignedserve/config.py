@@ -1,0 +1,51 @@
+"""Engine configuration: small dataclasses, one per concern."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+GiB = 1 << 30
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    """Limits every policy honours.
+
+    ``max_num_batched_tokens`` is the per-step token budget (decode rows count one token each);
+    it is what keeps a long prompt from freezing decoding: prompts are prefilled in chunks.
+    ``kv_reserve_tokens`` is how many output tokens of room a request's KV gets beyond what it
+    holds, so that allocations grow rarely.
+    """
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 1024
+    kv_reserve_tokens: int = 256
+    align_tolerance: int = 2
+    max_queue: int = 100_000
+
+
+@dataclass(slots=True)
+class CacheConfig:
+    device_kv_gb: float = 4.0
+    host_kv_gb: float = 8.0
+    num_devices: int = 1
+    granularity: int = 16
+
+    def device_bytes(self) -> list[int]:
+        return [int(self.device_kv_gb * GiB)] * self.num_devices
+
+    def host_bytes(self) -> int:
+        return int(self.host_kv_gb * GiB)
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: str | None = None
+    dtype: str = "bfloat16"
+    device: str | None = None  # None: cuda when available, else cpu
+    num_threads: int | None = None
+    policy: str = "fcfs"
+    seed: int | None = None
+    max_model_len: int | None = None  # None: the model's own context length
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)

@@ -1,0 +1,214 @@
+"""LLMEngine: the step loop (schedule -> execute -> update -> detokenize) and request intake.
+
+Synchronous and single-threaded: callers (the offline ``LLM``, or ``AsyncEngine``'s engine
+thread) call ``add_request`` / ``abort_request`` between ``step()`` calls. A request with
+``n > 1`` fans out into ``n`` independent sequences (ids ``"{id}#{i}"``) whose outputs are
+reported together under the caller's id.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from alignedserve.config import EngineConfig
+from alignedserve.executor.kv_pool import KVPool
+from alignedserve.executor.runner import ModelExecutor
+from alignedserve.kv.store import HOST, KVStore
+from alignedserve.model.loader import LoadedModel, load_model
+from alignedserve.outputs import CompletionOutput, IncrementalDetokenizer, RequestMetrics, RequestOutput
+from alignedserve.request import FinishReason, Request
+from alignedserve.sampling_params import SamplingParams
+from alignedserve.sched.registry import make_scheduler
+from alignedserve.stats import StepStats, record_step
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32,
+          "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16}
+
+
+@dataclass(slots=True)
+class _Sequence:
+    request: Request
+    detok: IncrementalDetokenizer
+    stop_reason: str | int | None = None
+    cumulative_logprob: float = 0.0
+
+
+@dataclass(slots=True)
+class _Group:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    seqs: list[_Sequence]
+    arrival_time: float
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}; choose one of {sorted(DTYPES)}") from None
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.dtype = resolve_dtype(config.dtype)
+        device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        self.device = torch.device(device)
+        self.loaded = loaded or load_model(config.model, self.dtype, str(self.device))
+        mc = self.loaded.config
+        self.tokenizer = self.loaded.tokenizer
+        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings,
+                                 mc.max_position_embeddings)
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        cache = config.cache
+        self.store = KVStore.for_devices(cache.device_bytes(), cache.host_bytes(),
+                                         mc.kv_bytes_per_token(elem), cache.granularity)
+        tier_devices = {t: self._tier_device(i) for i, t in enumerate(self.store.device_tiers)}
+        tier_devices[HOST] = torch.device("cpu")
+        pool = KVPool(tier_devices, mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype)
+        self.executor = ModelExecutor(self.loaded, pool, self.device, config.seed)
+        self.scheduler = make_scheduler(config.policy, config.scheduler, self.store)
+        self.stats = StepStats()
+        self._groups: dict[str, _Group] = {}
+        self._seq_group: dict[str, _Group] = {}
+
+    def _tier_device(self, index: int) -> torch.device:
+        if self.device.type == "cuda":
+            return torch.device("cuda", index % max(1, torch.cuda.device_count()))
+        return self.device
+
+    # ---- intake ---------------------------------------------------------------------------
+    def tokenize(self, prompt: str) -> list[int]:
+        return list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
+
+    def validate_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError with a clear message if the request cannot be served."""
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.loaded.config.vocab_size
+        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}")
+        n = len(prompt_token_ids)
+        if n >= self.max_model_len:
+            raise ValueError(f"prompt has {n} tokens but the model context is "
+                             f"{self.max_model_len} tokens (room is needed for one output)")
+        if params.max_tokens is not None and n + params.max_tokens > self.max_model_len:
+            raise ValueError(f"this model's maximum context length is {self.max_model_len} "
+                             f"tokens, but {n} prompt tokens + max_tokens {params.max_tokens} "
+                             f"were requested")
+        if params.n > 64:
+            raise ValueError(f"n must be <= 64, got {params.n}")
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    arrival_time: float | None = None) -> None:
+        if request_id in self._groups:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        text = prompt if isinstance(prompt, str) else None
+        ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        self.validate_prompt(ids, params)
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        group = _Group(request_id, text, ids, [], arrival)
+        for i in range(params.n):
+            seed = None if params.seed is None else params.seed + i
+            child = dataclasses.replace(params, n=1, seed=seed)
+            seq_id = request_id if params.n == 1 else f"{request_id}#{i}"
+            request = Request(seq_id, ids, child, eos_token_ids=self.loaded.eos_token_ids,
+                              max_model_len=self.max_model_len, arrival_time=arrival)
+            detok = IncrementalDetokenizer(self.tokenizer, child.stop, child.skip_special_tokens)
+            group.seqs.append(_Sequence(request, detok))
+            self._seq_group[seq_id] = group
+        self._groups[request_id] = group
+        for seq in group.seqs:
+            self.scheduler.add_request(seq.request)
+
+    def abort_request(self, request_id: str) -> bool:
+        """Cancel a request (all its sequences) and free its KV; False if unknown/finished."""
+        group = self._groups.pop(request_id, None)
+        if group is None:
+            return False
+        for seq in group.seqs:
+            self.scheduler.abort_request(seq.request.request_id)
+            self._seq_group.pop(seq.request.request_id, None)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self._groups)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._groups)
+
+    # ---- the loop -------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduler step; return outputs of requests that progressed or finished."""
+        plan = self.scheduler.schedule()
+        out = self.executor.execute(plan)
+        touched = self.scheduler.update(plan, out)
+        self.stats.add(record_step(plan, out, self.store))
+        affected = {id(g): g for g in self._finish_sequences(touched)}
+        for seq_id in plan.finished_request_ids:  # failed or finished without a new token
+            if (group := self._seq_group.get(seq_id)) is not None:
+                affected[id(group)] = group
+        return [self._emit(g) for g in affected.values()]
+
+    def _finish_sequences(self, touched: list[Request]) -> list[_Group]:
+        groups = []
+        for request in touched:
+            group = self._seq_group.get(request.request_id)
+            if group is None:
+                continue
+            seq = next(s for s in group.seqs if s.request is request)
+            new = request.output_token_ids[len(seq.detok.token_ids):]
+            for i, token in enumerate(new, start=len(seq.detok.token_ids)):
+                seq.cumulative_logprob += request.output_logprobs[i].get(token, 0.0)
+            matched = seq.detok.add(new)
+            if matched is not None:
+                seq.stop_reason = matched
+                self.scheduler.finish_request(request, FinishReason.STOP)
+            elif request.is_finished:
+                seq.detok.flush()
+                last = request.output_token_ids[-1]
+                if request.finish_reason is FinishReason.STOP and last in request.params.stop_token_ids:
+                    seq.stop_reason = last
+            groups.append(group)
+        return groups
+
+    def _emit(self, group: _Group) -> RequestOutput:
+        outputs = [self._completion(i, s) for i, s in enumerate(group.seqs)]
+        finished = all(s.request.is_finished for s in group.seqs)
+        reqs = [s.request for s in group.seqs]
+        firsts = [r.first_token_time for r in reqs if r.first_token_time is not None]
+        metrics = RequestMetrics(group.arrival_time, min(firsts) if firsts else None,
+                                 max(r.finish_time or 0.0 for r in reqs) if finished else None)
+        errors = [r.error for r in reqs if r.error]
+        if finished:
+            self._groups.pop(group.request_id, None)
+            for s in group.seqs:
+                self._seq_group.pop(s.request.request_id, None)
+        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outputs,
+                             finished, metrics, errors[0] if errors else None)
+
+    @staticmethod
+    def _completion(index: int, seq: _Sequence) -> CompletionOutput:
+        r = seq.request
+        finished = r.is_finished
+        return CompletionOutput(
+            index=index, text=seq.detok.visible_text(finished), token_ids=list(r.output_token_ids),
+            cumulative_logprob=seq.cumulative_logprob,
+            logprobs=list(r.output_logprobs) if r.params.logprobs is not None else None,
+            finish_reason=r.finish_reason.value if finished and r.finish_reason else None,
+            stop_reason=seq.stop_reason)
+
+    def close(self) -> None:
+        self.executor.close()

@@ -1,0 +1,36 @@
+"""Command-line flags shared by every subcommand that builds an engine."""
+
+from __future__ import annotations
+
+import argparse
+
+from alignedserve.config import CacheConfig, EngineConfig, SchedulerConfig
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("engine")
+    g.add_argument("--model", default=None,
+                   help="Hugging Face model directory or .gguf file (default: SmolLM2-135M-Instruct)")
+    g.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    g.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    g.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads")
+    g.add_argument("--policy", default="fcfs", help="scheduling policy: fcfs, static")
+    g.add_argument("--seed", type=int, default=None, help="seed for requests without their own")
+    g.add_argument("--max-model-len", type=int, default=None, help="context length cap")
+    g.add_argument("--device-kv-gb", type=float, default=4.0, help="KV budget per device (GiB)")
+    g.add_argument("--host-kv-gb", type=float, default=8.0, help="KV budget in host RAM (GiB)")
+    g.add_argument("--max-num-seqs", type=int, default=256, help="max requests running at once")
+    g.add_argument("--max-num-batched-tokens", type=int, default=1024,
+                   help="per-step token budget (prefills are chunked to fit)")
+    g.add_argument("--align-tolerance", type=int, default=2,
+                   help="max KV-length difference inside an aligned decode batch")
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model=args.model, dtype=args.dtype, device=args.device, num_threads=args.num_threads,
+        policy=args.policy, seed=args.seed, max_model_len=args.max_model_len,
+        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
+                                  max_num_batched_tokens=args.max_num_batched_tokens,
+                                  align_tolerance=args.align_tolerance),
+        cache=CacheConfig(device_kv_gb=args.device_kv_gb, host_kv_gb=args.host_kv_gb))

@@ -1,0 +1,69 @@
+"""The attention backend of one engine step, over per-request KV tensors.
+
+The step's tokens are flattened as: every prefill chunk (in plan order), then every decode
+row. Linear layers run once over all of them; attention runs per prefill chunk (dense SDPA
+over that request's cache, causal) and over all decode rows at once (one kernel call that
+appends each row's new K/V and attends over exactly that row's length: no padding).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from alignedserve.executor.kernels import decode_attention
+
+
+@dataclass(slots=True)
+class PrefillSegment:
+    cache: torch.Tensor  # [layers, 2, kv_heads, capacity, head_dim]
+    start: int
+    num_tokens: int
+
+
+class StepAttention:
+    """AttentionBackend (see ``alignedserve.model.llama``) for one step's flattened tokens."""
+
+    def __init__(self, prefills: list[PrefillSegment], decode_caches: list[torch.Tensor],
+                 decode_positions: torch.Tensor, scale: float):
+        self.prefills = prefills
+        self.decode_caches = decode_caches
+        self.decode_positions = decode_positions
+        self.scale = scale
+        self._masks = [self._mask(s) for s in prefills]
+
+    @staticmethod
+    def _mask(seg: PrefillSegment) -> torch.Tensor | None:
+        """Causal mask for a chunk that continues earlier context (None: plain causal)."""
+        if seg.start == 0:
+            return None
+        rows = torch.arange(seg.num_tokens).unsqueeze(1) + seg.start
+        cols = torch.arange(seg.start + seg.num_tokens).unsqueeze(0)
+        return (cols <= rows).to(seg.cache.device)
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        out = torch.empty_like(q)
+        offset = 0
+        for seg, mask in zip(self.prefills, self._masks):
+            end = offset + seg.num_tokens
+            out[offset:end] = self._prefill(seg, mask, layer, q[offset:end], k[offset:end],
+                                            v[offset:end])
+            offset = end
+        if self.decode_caches:
+            out[offset:] = decode_attention(q[offset:], k[offset:], v[offset:], self.decode_caches,
+                                            self.decode_positions, layer, self.scale)
+        return out
+
+    def _prefill(self, seg: PrefillSegment, mask: torch.Tensor | None, layer: int,
+                 q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        stop = seg.start + seg.num_tokens
+        k_cache, v_cache = seg.cache[layer, 0], seg.cache[layer, 1]  # [kv_heads, cap, dim]
+        k_cache[:, seg.start:stop].copy_(k.transpose(0, 1))
+        v_cache[:, seg.start:stop].copy_(v.transpose(0, 1))
+        o = F.scaled_dot_product_attention(
+            q.transpose(0, 1).unsqueeze(0), k_cache[:, :stop].unsqueeze(0),
+            v_cache[:, :stop].unsqueeze(0), attn_mask=mask, is_causal=mask is None,
+            scale=self.scale, enable_gqa=True)
+        return o.squeeze(0).transpose(0, 1)

@@ -1,0 +1,98 @@
+"""Per-step records: what ran, how aligned it was, and what it waited on.
+
+The *bubble* of a decode batch is the attention work its rows would waste if every row were
+padded to the batch's longest KV length (or, equivalently, the time the shorter rows idle
+while the longest finishes): ``sum(max_len - len_i)`` over rows, reported as a fraction of
+``rows * max_len``. Zero means perfectly aligned.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from alignedserve.kv.store import KVStore
+from alignedserve.sched.plan import StepOutput, StepPlan
+
+
+@dataclass(frozen=True, slots=True)
+class BatchRecord:
+    rows: int
+    min_len: int
+    max_len: int
+    kv_tokens: int  # sum of the rows' KV lengths: the attention work actually needed
+
+    @property
+    def spread(self) -> int:
+        return self.max_len - self.min_len
+
+    @property
+    def padded_tokens(self) -> int:
+        return self.rows * self.max_len
+
+    @property
+    def bubble_fraction(self) -> float:
+        return 1.0 - self.kv_tokens / self.padded_tokens if self.padded_tokens else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class StepRecord:
+    step_id: int
+    prefill_tokens: int
+    decode_rows: int
+    batches: tuple[BatchRecord, ...]
+    compute_s: float
+    copy_wait_s: float
+    copy_bytes: int
+    device_kv_used: float  # fraction of the device tier(s) in use after the step
+
+    @property
+    def bubble_fraction(self) -> float:
+        padded = sum(b.padded_tokens for b in self.batches)
+        needed = sum(b.kv_tokens for b in self.batches)
+        return 1.0 - needed / padded if padded else 0.0
+
+
+def record_step(plan: StepPlan, out: StepOutput, store: KVStore) -> StepRecord:
+    batches = []
+    for batch in plan.decode_batches:
+        lengths = batch.kv_lengths()
+        if lengths:
+            batches.append(BatchRecord(len(lengths), min(lengths), max(lengths), sum(lengths)))
+    devices = store.device_tiers
+    total = sum(store.total(t) for t in devices)
+    used = sum(store.used(t) for t in devices)
+    return StepRecord(plan.step_id, sum(c.num_tokens for c in plan.prefills),
+                      sum(b.rows for b in batches), tuple(batches), out.compute_s,
+                      out.copy_wait_s, out.copy_bytes, used / total if total else 0.0)
+
+
+@dataclass(slots=True)
+class StepStats:
+    """A bounded window of recent step records plus running totals since start."""
+
+    window: deque[StepRecord] = field(default_factory=lambda: deque(maxlen=4096))
+    steps: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    kv_tokens: int = 0
+    padded_tokens: int = 0
+    compute_s: float = 0.0
+    copy_wait_s: float = 0.0
+    copy_bytes: int = 0
+
+    def add(self, rec: StepRecord) -> None:
+        self.window.append(rec)
+        self.steps += 1
+        self.prefill_tokens += rec.prefill_tokens
+        self.decode_tokens += rec.decode_rows
+        self.kv_tokens += sum(b.kv_tokens for b in rec.batches)
+        self.padded_tokens += sum(b.padded_tokens for b in rec.batches)
+        self.compute_s += rec.compute_s
+        self.copy_wait_s += rec.copy_wait_s
+        self.copy_bytes += rec.copy_bytes
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Attention work lost to misalignment over all decode batches so far."""
+        return 1.0 - self.kv_tokens / self.padded_tokens if self.padded_tokens else 0.0
