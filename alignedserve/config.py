@@ -22,6 +22,11 @@ class SchedulerConfig:
     kv_reserve_tokens: int = 256
     align_tolerance: int = 2
     max_queue: int = 100_000
+    # aligned policy only:
+    max_cohort_rows: int = 64  # cohorts above this are split
+    catchup_window: int = 8  # hold a small cohort up to this many steps so a shorter one meets it
+    max_wait_steps: int = 16  # a ready cohort waits at most this many steps before it has priority
+    max_inflight: int = 4096  # requests admitted at once (their KV in device or host tiers)
 
 
 @dataclass(slots=True)
@@ -44,7 +49,7 @@ class EngineConfig:
     dtype: str = "bfloat16"
     device: str | None = None  # None: cuda when available, else cpu
     num_threads: int | None = None
-    policy: str = "fcfs"
+    policy: str = "aligned"
     seed: int | None = None
     max_model_len: int | None = None  # None: the model's own context length
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

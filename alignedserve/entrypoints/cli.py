@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 
 from alignedserve.entrypoints.args import add_engine_args, engine_config_from_args
@@ -29,6 +30,13 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+# Each module exposes ``add_parser(subparsers)`` and imports its heavy dependencies lazily.
+SUBCOMMAND_MODULES = [
+    "alignedserve.entrypoints.server",  # serve
+    "alignedserve.bench.cli",  # bench
+]
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="alignedserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -41,6 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=0)
     add_engine_args(gen)
     gen.set_defaults(func=_generate)
+    for module in SUBCOMMAND_MODULES:
+        importlib.import_module(module).add_parser(sub)
     return parser
 
 

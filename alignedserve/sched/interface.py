@@ -21,6 +21,10 @@ from alignedserve.request import FinishReason, Request, RequestStatus
 from alignedserve.sched.plan import PrefillChunk, StepOutput, StepPlan
 
 
+class QueueFull(Exception):
+    """The waiting queue is at ``max_queue``: the caller should back off and retry."""
+
+
 class Scheduler(Protocol):
     store: KVStore
 
@@ -71,10 +75,11 @@ class BaseScheduler:
         return HOST
 
     def add_request(self, request: Request) -> None:
+        """Queue a request; raises QueueFull when the bounded waiting queue is full."""
         if request.request_id in self.requests:
             raise ValueError(f"duplicate request id {request.request_id!r}")
-        self.requests[request.request_id] = request
         self._enqueue(request)
+        self.requests[request.request_id] = request
 
     def _enqueue(self, request: Request) -> None:
         raise NotImplementedError

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from alignedserve.config import SchedulerConfig
 from alignedserve.kv.store import KVStore
+from alignedserve.sched.aligned import AlignedScheduler
 from alignedserve.sched.fcfs import FcfsScheduler
 from alignedserve.sched.interface import BaseScheduler
 from alignedserve.sched.static import StaticScheduler
 
 POLICIES: dict[str, type[BaseScheduler]] = {
+    AlignedScheduler.name: AlignedScheduler,
     FcfsScheduler.name: FcfsScheduler,
     StaticScheduler.name: StaticScheduler,
 }
