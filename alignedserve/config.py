@@ -27,6 +27,9 @@ class SchedulerConfig:
     catchup_window: int = 8  # hold a small cohort up to this many steps so a shorter one meets it
     max_wait_steps: int = 16  # a ready cohort waits at most this many steps before it has priority
     max_inflight: int = 4096  # requests admitted at once (their KV in device or host tiers)
+    # KV tokens one host->device link can carry during one step (0: unlimited). With several
+    # devices, prefetch that does not fit the compute device's link is staged on a peer device.
+    prefetch_link_tokens: int = 0
 
 
 @dataclass(slots=True)

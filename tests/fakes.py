@@ -59,7 +59,7 @@ class FakeExecutor:
     def _check_resident(self, request: Request, end: int) -> None:
         h = request.kv
         assert h is not None, f"{request.request_id} computed without KV"
-        assert self.tiers[h] != "host" and h not in self.moving, "KV not resident on a device"
+        assert self.tiers[h] == "dev0" and h not in self.moving, "KV not on the compute device"
         assert self.capacity[h] >= end, f"capacity {self.capacity[h]} < {end}"
 
     def execute(self, plan: StepPlan) -> StepOutput:

@@ -132,3 +132,24 @@ def test_random_workloads_tolerance_waiting_bound_and_no_loss(work, dev_tokens, 
         else:
             assert ab and r.finish_reason is FinishReason.ABORT
     assert all(sched.store.used(t) == 0 for t in sched.store.tiers)
+
+
+def test_gpu_prefetch_for_gpu_stages_on_a_peer_device():
+    """Two devices, a narrow host link: cohorts are staged host -> dev1 -> dev0."""
+    sched, ex = build("aligned", dev_tokens=1300, host_tokens=100_000, devices=2,
+                      kv_reserve_tokens=16, max_num_seqs=8, prefetch_link_tokens=200)
+    reqs = [make_request(f"r{i}", 120 + 9 * i, 25) for i in range(30)]
+    for r in reqs:
+        sched.add_request(r)
+    hops = []
+
+    def observe(plan):
+        for op in plan.kv_ops:
+            if op.kind is KVOpKind.MOVE_BEGIN:
+                hops.append((op.handle, op.tier))
+    run_to_completion(sched, ex, on_step=observe)
+    staged = {h for h, t in hops if t == "dev1"}
+    onward = {h for h, t in hops if t == "dev0" and h in staged}
+    assert staged and onward  # some KV went to the peer first, then on to the compute device
+    assert all(len(r.output_token_ids) == 25 for r in reqs)
+    assert all(sched.store.used(t) == 0 for t in sched.store.tiers)

@@ -13,9 +13,9 @@ from tests.fakes import EOS, FakeExecutor, make_request, run_to_completion
 BYTES_PER_TOKEN = 10
 
 
-def build(policy, dev_tokens=10_000, host_tokens=50_000, **cfg):
-    store = KVStore.for_devices([dev_tokens * BYTES_PER_TOKEN], host_tokens * BYTES_PER_TOKEN,
-                                BYTES_PER_TOKEN, granularity=16)
+def build(policy, dev_tokens=10_000, host_tokens=50_000, devices=1, **cfg):
+    store = KVStore.for_devices([dev_tokens * BYTES_PER_TOKEN] * devices,
+                                host_tokens * BYTES_PER_TOKEN, BYTES_PER_TOKEN, granularity=16)
     config = SchedulerConfig(**{"max_num_batched_tokens": 256, "kv_reserve_tokens": 32, **cfg})
     sched = make_scheduler(policy, config, store)
     return sched, FakeExecutor(store)

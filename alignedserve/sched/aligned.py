@@ -17,6 +17,11 @@ so their copy overlaps this step's compute. Cohorts whose lengths meet are merge
 ``max_cohort_rows`` are split. A cohort that does not run falls behind those that do, which is
 how a lagging cohort catches up with a longer one and merges.
 
+With several devices, ``dev0`` computes and the others stage KV for it: when the compute
+device's host link is used up for a step (``prefetch_link_tokens``), the next cohort is copied
+host -> peer device over the peer's own link, then peer -> compute device over the peer link
+(GPU-Prefetch-For-GPU); peers are also where evicted cohorts park before the host.
+
 Waiting bound: when device KV can hold the prefilling requests plus any one cohort and the host
 can take the rest, a ready cohort waits at most ``max_wait_steps + C`` steps, C being the number
 of cohorts in flight (starving cohorts go first, oldest first, and at least one runs per step).
@@ -95,7 +100,7 @@ class AlignedScheduler(BaseScheduler):
                 self._set_status(cohort)
 
     def _set_status(self, cohort: Cohort) -> None:
-        status = RequestStatus.PAUSED if cohort.tier == self.host else RequestStatus.RUNNING
+        status = RequestStatus.RUNNING if cohort.tier == self.device else RequestStatus.PAUSED
         for request in cohort.requests:
             request.status = status
 
@@ -223,8 +228,12 @@ class AlignedScheduler(BaseScheduler):
                    and c.moving_to is None and all(c is not p for p in protected)]
         victims.sort(key=lambda c: -c.last_run_step)  # the just-run go last again: evict them
         for victim in victims:
-            if self._kv_tokens(victim) <= self.store.free(self.host):
-                self._move(victim, self.host, now=True)
+            kv = self._kv_tokens(victim)
+            # a peer device is a closer parking place than the host, when one has room
+            dst = next((t for t in self.store.device_tiers
+                        if t != self.device and self.store.free(t) >= kv), self.host)
+            if kv <= self.store.free(dst):
+                self._move(victim, dst, now=True)
                 if self.store.free(self.device) >= tokens:
                     return True
         return self.store.free(self.device) >= tokens
@@ -242,20 +251,40 @@ class AlignedScheduler(BaseScheduler):
             self._set_status(cohort)
 
     def _prefetch(self, chosen: list[Cohort]) -> None:
-        """Start copying to the device the host cohorts that lead next step's order."""
+        """Start copying toward the device the cohorts that lead next step's order.
+
+        Host cohorts go straight to the compute device while its host link has budget this
+        step; otherwise they are staged on a peer device with a free link (GPU-Prefetch-For-GPU)
+        and hop to the compute device over the peer link on a later step.
+        """
         rows_left = min(self.config.max_num_seqs, self.config.max_num_batched_tokens)
         ready = [c for c in self.cohorts.values() if c.moving_to is None]
         ready.sort(key=lambda c: self._priority(c, self.step_index + 1))
+        headroom = self.config.kv_reserve_tokens * sum(c.rows for c in chosen)
+        link_budget = self.config.prefetch_link_tokens or float("inf")
+        links = dict.fromkeys(self.store.device_tiers, link_budget)
         for cohort in ready:
             if cohort.rows > rows_left:
                 continue
             rows_left -= cohort.rows
-            if cohort.tier != self.host:
+            if cohort.tier == self.device:
                 continue
             need = self._kv_tokens(cohort)
-            headroom = self.config.kv_reserve_tokens * sum(c.rows for c in chosen)
-            if self.store.free(self.device) - headroom >= need:
+            if self.store.free(self.device) - headroom >= need and (
+                    cohort.tier != self.host or links[self.device] >= need):
+                if cohort.tier == self.host:
+                    links[self.device] -= need
                 self._move(cohort, self.device, now=False)
+            elif cohort.tier == self.host and (stage := self._staging_tier(need, links)):
+                links[stage] -= need
+                self._move(cohort, stage, now=False)
+
+    def _staging_tier(self, need: int, links: dict[str, float]) -> str | None:
+        """A peer device with room and link budget for ``need`` tokens, if any."""
+        for tier in self.store.device_tiers:
+            if tier != self.device and self.store.free(tier) >= need and links[tier] >= need:
+                return tier
+        return None
 
     # ---- prefill ----------------------------------------------------------------------------
     def _continue_prefills(self, plan: StepPlan, budget: int) -> int:
