@@ -1,0 +1,40 @@
+"""Shared pytest fixtures.
+
+The default-model fixtures are session-scoped because loading costs seconds; tests that
+use them are marked ``@pytest.mark.model`` (deselect with ``-m "not model"``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="session")
+def default_model_path() -> Path:
+    """The default GGUF (SmolLM2-135M-Instruct Q4_1), fetched into the cache if needed."""
+    from alignedserve.model import default_model
+
+    return default_model.default_model_path()
+
+
+@pytest.fixture(scope="session")
+def default_model_fp32(default_model_path: Path) -> Any:
+    """Our LoadedModel for the default model, in float32 (for exact comparisons)."""
+    from alignedserve.model.loader import load_model
+
+    return load_model(default_model_path, dtype=torch.float32)
+
+
+@pytest.fixture(scope="session")
+def default_model_hf_fp32(default_model_path: Path) -> torch.nn.Module:
+    """transformers' own GGUF loading of the default model, float32: the reference."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        str(default_model_path.parent), gguf_file=default_model_path.name, dtype=torch.float32
+    )
+    return model.eval()
