@@ -34,6 +34,7 @@ def _generate(args: argparse.Namespace) -> int:
 SUBCOMMAND_MODULES = [
     "alignedserve.entrypoints.server",  # serve
     "alignedserve.bench.cli",  # bench
+    "alignedserve.sim.cli",  # simulate, calibrate
 ]
 
 

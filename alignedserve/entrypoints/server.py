@@ -1,0 +1,187 @@
+"""``alignedserve serve``: the OpenAI-compatible HTTP server (FastAPI + uvicorn).
+
+``build_app(async_engine, settings)`` makes the ASGI app (tests drive it in-process);
+``serve_app`` runs it under uvicorn with graceful shutdown; ``add_parser`` registers the CLI
+subcommand. fastapi/uvicorn and the engine are imported inside functions so that the CLI
+(which imports this module to build its parser) starts fast.
+
+Graceful shutdown on SIGTERM/SIGINT: uvicorn stops accepting connections and waits for open
+ones; we mark the server draining (new requests and /health answer 503) and, after
+``shutdown_grace_s``, fail whatever still runs with an explicit error (an SSE error event, or
+a 503 body), so that no client sees a silently truncated answer. Then the engine stops.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+    from alignedserve.async_engine import AsyncEngine
+    from alignedserve.entrypoints.engine_client import EngineClient, ServerLifecycle
+    from alignedserve.entrypoints.openai_prepare import ModelInfo
+    from alignedserve.metrics import ServerMetrics
+
+log = logging.getLogger(__name__)
+API_KEY_ENV = "ALIGNEDSERVE_API_KEY"
+
+
+@dataclass(frozen=True, slots=True)
+class ServerSettings:
+    """Server-level knobs (the engine has its own EngineConfig).
+
+    ``max_inflight`` bounds the sequences accepted and not yet finished (running + queued in
+    the engine); past it requests get 503 + Retry-After instead of an ever-growing queue.
+    """
+
+    model_names: tuple[str, ...]
+    api_key: str | None = None
+    max_inflight: int = 1280
+    max_body_bytes: int = 4 << 20
+    shutdown_grace_s: float = 30.0
+    retry_after_s: int = 1
+    owns_engine: bool = True  # shut the AsyncEngine down with the app
+
+
+@dataclass(slots=True)
+class ServerState:
+    """Everything the route handlers share, kept on ``app.state.server`` (not in globals)."""
+
+    settings: ServerSettings
+    engine: AsyncEngine
+    client: EngineClient
+    info: ModelInfo
+    metrics: ServerMetrics
+    lifecycle: ServerLifecycle
+
+
+def build_state(async_engine: AsyncEngine, settings: ServerSettings) -> ServerState:
+    from alignedserve.entrypoints.engine_client import Admission, EngineClient, ServerLifecycle
+    from alignedserve.entrypoints.openai_prepare import ModelInfo
+    from alignedserve.metrics import ServerMetrics
+
+    admission = Admission(settings.max_inflight)
+    lifecycle = ServerLifecycle(settings.shutdown_grace_s)
+
+    def server_gauges() -> dict[str, tuple[str, float]]:
+        return {"num_sequences_admitted": ("Sequences accepted by the server and not finished.",
+                                           admission.in_use),
+                "num_sequences_admitted_limit": ("The server's queue bound, in sequences.",
+                                                 admission.limit)}
+
+    metrics = ServerMetrics(settings.model_names[0], async_engine.engine, server_gauges)
+    client = EngineClient(async_engine, admission, lifecycle, metrics.observe_request_end,
+                          metrics.observe_rejected, settings.retry_after_s)
+    return ServerState(settings, async_engine, client, ModelInfo.of(async_engine.engine),
+                       metrics, lifecycle)
+
+
+def build_app(async_engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
+    from contextlib import asynccontextmanager
+
+    from fastapi import FastAPI
+
+    from alignedserve import __version__
+    from alignedserve.entrypoints.http_guards import ApiKeyGuard, BodyGuard
+    from alignedserve.entrypoints.openai_errors import install_error_handlers
+    from alignedserve.entrypoints.server_routes import api_router
+
+    state = build_state(async_engine, settings)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        state.lifecycle.bind(asyncio.get_running_loop())
+        yield
+        if settings.owns_engine:
+            await asyncio.to_thread(async_engine.shutdown)
+
+    app = FastAPI(title="AlignedServe", version=__version__, lifespan=lifespan)
+    app.state.server = state
+    install_error_handlers(app)
+    app.include_router(api_router())
+    app.add_middleware(BodyGuard, max_bytes=settings.max_body_bytes)
+    if settings.api_key:  # added last = outermost: unauthenticated bodies are never read
+        app.add_middleware(ApiKeyGuard, api_key=settings.api_key)
+    return app
+
+
+def serve_app(app: FastAPI, host: str, port: int, log_level: str = "info",
+              access_log: bool = True) -> None:
+    """Run under uvicorn until SIGTERM/SIGINT, draining as described in the module docstring."""
+    import uvicorn
+
+    lifecycle = app.state.server.lifecycle
+
+    class DrainingServer(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            lifecycle.request_drain()
+            super().handle_exit(sig, frame)
+
+    # uvicorn's own deadline is a backstop only: our expiry answers every open run first.
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                            access_log=access_log, lifespan="on",
+                            timeout_graceful_shutdown=int(lifecycle.grace_s) + 10)
+    DrainingServer(config).run()
+
+
+# ---- command line ------------------------------------------------------------------------------
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    from alignedserve.entrypoints.args import add_engine_args
+
+    p = subparsers.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
+    p.add_argument("model_path", nargs="?", default=None, metavar="MODEL",
+                   help="model directory or .gguf file (same as --model)")
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="bind address (default: 127.0.0.1)")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--api-key", default=None,
+                   help=f"require 'Authorization: Bearer KEY' (default: ${API_KEY_ENV} if set)")
+    g.add_argument("--served-model-name", nargs="+", default=None,
+                   help="name(s) clients use for the model (default: the model's name)")
+    g.add_argument("--max-queue", type=int, default=1024,
+                   help="sequences that may wait beyond --max-num-seqs before requests get 503")
+    g.add_argument("--max-body-bytes", type=int, default=4 << 20,
+                   help="largest request body accepted (413 beyond)")
+    g.add_argument("--shutdown-grace", type=float, default=30.0,
+                   help="seconds in-flight requests get to finish after SIGTERM")
+    g.add_argument("--log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug"])
+    g.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True,
+                   help="log one line per HTTP request")
+    add_engine_args(p)
+    p.set_defaults(func=_serve)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from alignedserve.async_engine import AsyncEngine
+    from alignedserve.engine import LLMEngine
+    from alignedserve.entrypoints.args import engine_config_from_args
+
+    if args.model_path and args.model and args.model_path != args.model:
+        raise ValueError(f"two models given: {args.model_path!r} and --model {args.model!r}")
+    args.model = args.model_path or args.model
+    if args.max_queue < 0 or args.max_body_bytes < 1 or args.shutdown_grace < 0:
+        raise ValueError("--max-queue, --max-body-bytes and --shutdown-grace must be positive")
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    engine = LLMEngine(engine_config_from_args(args))
+    names = tuple(args.served_model_name or [args.model or engine.loaded.name])
+    settings = ServerSettings(
+        model_names=names, api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+        max_inflight=args.max_num_seqs + args.max_queue, max_body_bytes=args.max_body_bytes,
+        shutdown_grace_s=args.shutdown_grace)
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not settings.api_key:
+        log.warning("serving on %s without an API key: anyone who can reach it can use it",
+                    args.host)
+    # The engine's own bound counts requests; ours counts sequences (>= requests), so the
+    # server's 503 always comes first and the engine never refuses what we admitted.
+    async_engine = AsyncEngine(engine, max_pending=settings.max_inflight)
+    app = build_app(async_engine, settings)
+    serve_app(app, args.host, args.port, args.log_level, args.access_log)
+    return 0
