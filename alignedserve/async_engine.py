@@ -59,6 +59,11 @@ class AsyncEngine:
         self._thread.start()
 
     @property
+    def is_running(self) -> bool:
+        """True while the engine thread is alive and accepting work."""
+        return self._thread.is_alive() and not self._stop.is_set()
+
+    @property
     def num_pending(self) -> int:
         return self._pending
 

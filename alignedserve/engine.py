@@ -129,8 +129,12 @@ class LLMEngine:
             group.seqs.append(_Sequence(request, detok))
             self._seq_group[seq_id] = group
         self._groups[request_id] = group
-        for seq in group.seqs:
-            self.scheduler.add_request(seq.request)
+        try:
+            for seq in group.seqs:
+                self.scheduler.add_request(seq.request)
+        except Exception:  # e.g. QueueFull part-way through n > 1: add all or nothing
+            self.abort_request(request_id)
+            raise
 
     def abort_request(self, request_id: str) -> bool:
         """Cancel a request (all its sequences) and free its KV; False if unknown/finished."""

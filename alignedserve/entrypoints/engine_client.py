@@ -156,9 +156,7 @@ def _failure_of(out: RequestOutput) -> str | None:
 
 
 def engine_alive(engine: AsyncEngine) -> bool:
-    # AsyncEngine has no public liveness probe yet; its engine thread is the thing to ask.
-    thread = getattr(engine, "_thread", None)
-    return thread is None or thread.is_alive()
+    return engine.is_running
 
 
 async def _wait_disconnect(receive: Receive) -> None:
