@@ -14,7 +14,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     g.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     g.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads")
-    g.add_argument("--policy", default="fcfs", help="scheduling policy: fcfs, static")
+    g.add_argument("--policy", default="aligned", choices=["aligned", "fcfs", "static"],
+                   help="scheduling policy: aligned (length-aligned cohorts, default), fcfs "
+                        "(vLLM-like continuous batching), static (FasterTransformer-like)")
     g.add_argument("--seed", type=int, default=None, help="seed for requests without their own")
     g.add_argument("--max-model-len", type=int, default=None, help="context length cap")
     g.add_argument("--device-kv-gb", type=float, default=4.0, help="KV budget per device (GiB)")
@@ -24,6 +26,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="per-step token budget (prefills are chunked to fit)")
     g.add_argument("--align-tolerance", type=int, default=2,
                    help="max KV-length difference inside an aligned decode batch")
+    g.add_argument("--max-cohort-rows", type=int, default=64,
+                   help="aligned: cohorts larger than this are split")
+    g.add_argument("--max-wait-steps", type=int, default=16,
+                   help="aligned: steps a ready cohort may wait before it gets priority")
+    g.add_argument("--max-inflight", type=int, default=4096,
+                   help="aligned: requests in flight at once (KV in device or host tier)")
+    g.add_argument("--num-devices", type=int, default=1,
+                   help="device KV tiers; devices beyond the first stage KV for it")
+    g.add_argument("--prefetch-link-tokens", type=int, default=0,
+                   help="aligned: KV tokens one host link moves per step (0: unlimited)")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -32,5 +44,10 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         policy=args.policy, seed=args.seed, max_model_len=args.max_model_len,
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=args.max_num_batched_tokens,
-                                  align_tolerance=args.align_tolerance),
-        cache=CacheConfig(device_kv_gb=args.device_kv_gb, host_kv_gb=args.host_kv_gb))
+                                  align_tolerance=args.align_tolerance,
+                                  max_cohort_rows=args.max_cohort_rows,
+                                  max_wait_steps=args.max_wait_steps,
+                                  max_inflight=args.max_inflight,
+                                  prefetch_link_tokens=args.prefetch_link_tokens),
+        cache=CacheConfig(device_kv_gb=args.device_kv_gb, host_kv_gb=args.host_kv_gb,
+                          num_devices=args.num_devices))

@@ -24,7 +24,7 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, dtype: str = "bfloat16", device: str | None = None,
-                 policy: str = "fcfs", seed: int | None = None, max_model_len: int | None = None,
+                 policy: str = "aligned", seed: int | None = None, max_model_len: int | None = None,
                  num_threads: int | None = None, device_kv_gb: float = 4.0,
                  host_kv_gb: float = 8.0, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 1024, align_tolerance: int = 2, loaded=None):
