@@ -8,22 +8,30 @@ Two cache regimes, because this machine's last-level cache can hold one layer's 
   cold - calls cycle over enough layers that the KV far exceeds the LLC, as in a real model
          step where every layer's KV and the weights stream through.
 
-    .venv/bin/python scripts/bench_attention.py [--dtypes bfloat16 float32] [--iters 20]
+    .venv/bin/python scripts/bench_attention.py [--dtypes bfloat16 float32] [--iters 40]
+
+On a shared machine compare the "min" column: other processes only ever add time, and a
+2-thread OpenMP region whose second thread is descheduled waits for it (medians then jump by
+milliseconds for every method alike).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from alignedserve.executor.kernels import decode_attention_reference, load_kernels
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
+from alignedserve.executor.kernels import decode_attention_reference, load_kernels  # noqa: E402
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,9 +82,10 @@ def sdpa_per_row(q, k_new, v_new, caches, positions, layer, scale):
         cache = caches[b]
         cache[layer, 0, :, pos].copy_(k_new[b])
         cache[layer, 1, :, pos].copy_(v_new[b])
-        o = F.scaled_dot_product_attention(
-            q[b].unsqueeze(0).unsqueeze(2).to(cache.dtype), cache[layer, 0, :, : pos + 1].unsqueeze(0),
-            cache[layer, 1, :, : pos + 1].unsqueeze(0), scale=scale, enable_gqa=True)
+        k = cache[layer, 0, :, : pos + 1].unsqueeze(0)
+        v = cache[layer, 1, :, : pos + 1].unsqueeze(0)
+        qb = q[b].unsqueeze(0).unsqueeze(2).to(cache.dtype)
+        o = F.scaled_dot_product_attention(qb, k, v, scale=scale, enable_gqa=True)
         out[b] = o.view(q.shape[1], q.shape[2]).to(q.dtype)
     return out
 
@@ -97,6 +106,12 @@ def time_ms(fn: Callable[[int], object], layers: int, iters: int) -> tuple[float
     return min(samples), statistics.median(samples)
 
 
+def read_roofline(nbytes: int, layers: int) -> Callable[[int], object]:
+    """fn(layer) that streams nbytes (a plain fp32 sum): what reading the KV alone costs."""
+    buf = torch.ones(layers, nbytes // 4)
+    return lambda layer: buf[layer].sum()
+
+
 def bench_dtype(case: Case, dtype: torch.dtype, args: argparse.Namespace) -> list[str]:
     """Markdown rows for one dtype: every method, hot and cold."""
     kernels = load_kernels()
@@ -111,14 +126,19 @@ def bench_dtype(case: Case, dtype: torch.dtype, args: argparse.Namespace) -> lis
     rows = []
     for regime, layers in (("hot", 1), ("cold", cold_layers)):
         q, k_new, v_new, caches, positions = make_inputs(case, dtype, layers)
-        for name, fn in methods.items():
-            iters = args.iters if "kernel" in name else max(3, args.iters // 4)
-            best, median = time_ms(
-                lambda layer: fn(q, k_new, v_new, caches, positions, layer, scale), layers, iters)
+        timed: dict[str, Callable[[int], object]] = {
+            name: functools.partial(
+                lambda fn, layer: fn(q, k_new, v_new, caches, positions, layer, scale), fn)
+            for name, fn in methods.items()}
+        timed["memory read of the same bytes (fp32 sum)"] = read_roofline(
+            case.kv_bytes(dtype), layers)
+        for name, fn in timed.items():
+            iters = args.iters if "kernel" in name or "memory" in name else max(3, args.iters // 4)
+            best, median = time_ms(fn, layers, iters)
             gbs = case.kv_bytes(dtype) / best / 1e6
             rows.append(f"| {str(dtype).removeprefix('torch.')} | {regime} | {name} | "
                         f"{best:.3f} | {median:.3f} | {gbs:.1f} |")
-        del caches
+        del caches, timed
     return rows
 
 
@@ -136,7 +156,10 @@ def main() -> None:
     parser.add_argument("--cold-gb", type=float, default=1.5,
                         help="KV footprint the cold regime cycles through (>> LLC)")
     parser.add_argument("--skip-sdpa", action="store_true")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     lengths = log_uniform_lengths(args.rows, args.min_len, args.max_len, args.mean_len)
     case = Case(args.rows, args.heads, args.kv_heads, args.head_dim, lengths)

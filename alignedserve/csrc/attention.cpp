@@ -1,0 +1,765 @@
+// Decode attention (one new token per request) over per-request KV caches, on CPU.
+//
+// Contract (checked in decode_attention below):
+//   cache[b] : [layers, 2, kv_heads, capacity, head_dim], bf16 or fp32, one dtype for all rows;
+//              the last two dims densely packed (token stride == head_dim); dims 0..2 may be
+//              strided, so a row view of a larger cohort slab works too.
+//   q        : [B, heads, head_dim], any float dtype; k_new / v_new : [B, kv_heads, head_dim].
+//   For every row b the new K/V land at cache[b][layer, 0/1, :, pos[b]], then query head h
+//   attends over positions 0..pos[b] of kv head h / (heads / kv_heads), in fp32 arithmetic.
+//
+// Work decomposition: one work item is (row, kv head, token span). All query heads of a GQA
+// group are handled by the same item so each K/V row is read from memory once. Items are
+// sorted longest-first and pulled from an atomic counter (dynamic LPT scheduling), because row
+// lengths in a batch can differ by 50x and a static split would leave a core idle. Rows long
+// enough to unbalance the cores are cut into spans whose partial softmax states are merged at
+// the end (the split-K "flash decoding" combine).
+//
+// Inside an item: pass 1 computes the scores of all heads of the group (16 tokens per score
+// vector), pass 2 takes the softmax over the span's score buffer (small: it stays in L1/L2),
+// pass 3 accumulates P.V. Passes 1 and 3 each stream the span's rows once, widening every row
+// into registers and using it for all heads; apart from the scores nothing is written per
+// token. Scores live in the log2 domain (q is pre-scaled by scale*log2(e)), so pass 2 needs
+// only 2^x. All cache writes (the new tokens) happen before any of this starts.
+//
+// Arithmetic is fp32 FMA throughout; bf16 is widened exactly (shift / mask). AVX512-BF16 dot
+// products were tried and dropped: on the Sapphire Rapids this was tuned on, vdpbf16ps issues
+// every ~2 cycles, half the multiply rate of the two FMA ports. Software prefetching was tried
+// too and measured no gain over the hardware prefetchers once rows are consumed as loaded.
+
+// Narrow includes on purpose: <torch/extension.h> alone takes ~30 s to compile; these ~8 s.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace alignedserve {
+namespace {
+
+constexpr int kLanes = 16;          // fp32 lanes per vector == tokens per score block
+constexpr int kMaxChunks = 16;      // head_dim <= 256 (vectors per head row)
+constexpr int64_t kMinSpan = 256;   // shorter spans cost more in merging than they balance
+constexpr int64_t kMaxSpan = 2048;  // keeps a span's score buffer L1/L2-resident
+constexpr double kLog2e = 1.4426950408889634;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// ----------------------------------------------------------------------------------------------
+// 16-lane fp32 vector. AVX-512 when the compiler targets it, otherwise plain arrays that the
+// compiler auto-vectorises for whatever the machine has; the kernel is written only against
+// this small interface.
+// ----------------------------------------------------------------------------------------------
+#if defined(__AVX512F__)
+
+struct Vec {
+  __m512 r;
+};
+inline Vec vzero() { return {_mm512_setzero_ps()}; }
+inline Vec vset1(float x) { return {_mm512_set1_ps(x)}; }
+inline Vec vload(const float* p) { return {_mm512_loadu_ps(p)}; }
+inline Vec vload(const uint16_t* p) {
+  // A bf16 value is the high half of the fp32 with the same bits, so widening is exact.
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16))};
+}
+// 32 bf16 at p as fp32 vectors of the even- and odd-indexed elements. Each 32-bit word holds
+// an (even, odd) pair, so one shift / one mask per 16 values does the widening, half the
+// work of vload(const uint16_t*).
+inline void vload_pairs(const uint16_t* p, Vec& even, Vec& odd) {
+  const __m512i w = _mm512_loadu_si512(p);
+  even.r = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+  odd.r = _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(~0xFFFF)));
+}
+inline void vstore(float* p, Vec v) { _mm512_storeu_ps(p, v.r); }
+inline Vec vadd(Vec a, Vec b) { return {_mm512_add_ps(a.r, b.r)}; }
+inline Vec vsub(Vec a, Vec b) { return {_mm512_sub_ps(a.r, b.r)}; }
+inline Vec vmul(Vec a, Vec b) { return {_mm512_mul_ps(a.r, b.r)}; }
+inline Vec vmax(Vec a, Vec b) { return {_mm512_max_ps(a.r, b.r)}; }
+inline Vec vfma(Vec a, Vec b, Vec c) { return {_mm512_fmadd_ps(a.r, b.r, c.r)}; }
+inline float vsum(Vec a) { return _mm512_reduce_add_ps(a.r); }
+inline float vhmax(Vec a) { return _mm512_reduce_max_ps(a.r); }
+
+// Polynomial 2^f on f in [-0.5, 0.5]: Taylor coefficients of e^(f ln2), degree 7; truncation
+// error ~5e-9 relative, below fp32 rounding.
+constexpr float kLn2 = 0.6931471805599453f;
+constexpr float kC2 = kLn2 * kLn2 / 2;
+constexpr float kC3 = kC2 * kLn2 / 3;
+constexpr float kC4 = kC3 * kLn2 / 4;
+constexpr float kC5 = kC4 * kLn2 / 5;
+constexpr float kC6 = kC5 * kLn2 / 6;
+constexpr float kC7 = kC6 * kLn2 / 7;
+
+inline Vec vexp2(Vec x) {
+  // Clamp first: -inf (padding lanes) would give inf - inf = NaN below; 2^-150 scales to 0.
+  const __m512 xc = _mm512_max_ps(x.r, _mm512_set1_ps(-150.0f));
+  const __m512 n = _mm512_roundscale_ps(xc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(xc, n);
+  __m512 p = _mm512_set1_ps(kC7);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kC6));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kC5));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kC4));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kC3));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kC2));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kLn2));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return {_mm512_scalef_ps(p, n)};
+}
+
+// One level of the 16-way transpose-and-add. Lanes whose `Off` bit is set take input b, the
+// others input a; each lane adds its partner `Off` lanes away. Folding 16 vectors with levels
+// 1, 2, 4, 8 leaves lane i holding the horizontal sum of input i: 15 (blend, permute, add)
+// triples per 16 dot products instead of 16 full horizontal reductions.
+template <int Off>
+inline Vec fold(Vec a, Vec b) {
+  static_assert(Off == 1 || Off == 2 || Off == 4 || Off == 8, "fold levels are 1, 2, 4, 8");
+  constexpr __mmask16 kFromB = Off == 1 ? 0xAAAA : Off == 2 ? 0xCCCC : Off == 4 ? 0xF0F0 : 0xFF00;
+  alignas(64) static constexpr int32_t kPartner[16] = {
+#define AS_PARTNER(j) (((j) & Off) ? 16 + (j) - Off : (j) + Off)
+      AS_PARTNER(0),  AS_PARTNER(1),  AS_PARTNER(2),  AS_PARTNER(3),
+      AS_PARTNER(4),  AS_PARTNER(5),  AS_PARTNER(6),  AS_PARTNER(7),
+      AS_PARTNER(8),  AS_PARTNER(9),  AS_PARTNER(10), AS_PARTNER(11),
+      AS_PARTNER(12), AS_PARTNER(13), AS_PARTNER(14), AS_PARTNER(15)};
+#undef AS_PARTNER
+  const __m512i idx = _mm512_load_si512(kPartner);
+  const __m512 own = _mm512_mask_blend_ps(kFromB, a.r, b.r);
+  const __m512 partner = _mm512_permutex2var_ps(a.r, idx, b.r);
+  return {_mm512_add_ps(own, partner)};
+}
+
+#else  // portable path
+
+struct Vec {
+  float x[kLanes];
+};
+inline Vec vset1(float v) {
+  Vec r;
+  for (int i = 0; i < kLanes; ++i) r.x[i] = v;
+  return r;
+}
+inline Vec vzero() { return vset1(0.0f); }
+inline Vec vload(const float* p) {
+  Vec r;
+  std::memcpy(r.x, p, sizeof r.x);
+  return r;
+}
+inline float bf16_to_float(uint16_t b) {
+  const uint32_t bits = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+inline Vec vload(const uint16_t* p) {
+  Vec r;
+  for (int i = 0; i < kLanes; ++i) r.x[i] = bf16_to_float(p[i]);
+  return r;
+}
+inline void vload_pairs(const uint16_t* p, Vec& even, Vec& odd) {
+  for (int i = 0; i < kLanes; ++i) {
+    even.x[i] = bf16_to_float(p[2 * i]);
+    odd.x[i] = bf16_to_float(p[2 * i + 1]);
+  }
+}
+inline void vstore(float* p, Vec v) { std::memcpy(p, v.x, sizeof v.x); }
+#define ALIGNEDSERVE_LANEWISE(name, expr)           \
+  inline Vec name(Vec a, Vec b) {                   \
+    Vec r;                                          \
+    for (int i = 0; i < kLanes; ++i) r.x[i] = expr; \
+    return r;                                       \
+  }
+ALIGNEDSERVE_LANEWISE(vadd, a.x[i] + b.x[i])
+ALIGNEDSERVE_LANEWISE(vsub, a.x[i] - b.x[i])
+ALIGNEDSERVE_LANEWISE(vmul, a.x[i] * b.x[i])
+ALIGNEDSERVE_LANEWISE(vmax, std::max(a.x[i], b.x[i]))
+#undef ALIGNEDSERVE_LANEWISE
+inline Vec vfma(Vec a, Vec b, Vec c) {
+  Vec r;
+  for (int i = 0; i < kLanes; ++i) r.x[i] = std::fma(a.x[i], b.x[i], c.x[i]);
+  return r;
+}
+inline float vsum(Vec a) {
+  float s = 0.0f;
+  for (int i = 0; i < kLanes; ++i) s += a.x[i];
+  return s;
+}
+inline float vhmax(Vec a) {
+  float m = a.x[0];
+  for (int i = 1; i < kLanes; ++i) m = std::max(m, a.x[i]);
+  return m;
+}
+inline Vec vexp2(Vec a) {
+  Vec r;
+  for (int i = 0; i < kLanes; ++i) r.x[i] = std::exp2(a.x[i]);
+  return r;
+}
+template <int Off>
+inline Vec fold(Vec a, Vec b) {
+  Vec r;
+  for (int j = 0; j < kLanes; ++j) {
+    r.x[j] = (j & Off) ? b.x[j] + b.x[j - Off] : a.x[j] + a.x[j + Off];
+  }
+  return r;
+}
+
+#endif
+
+// ----------------------------------------------------------------------------------------------
+// Problem description, work items, scratch memory
+// ----------------------------------------------------------------------------------------------
+
+// Everything the workers read. Immutable during the parallel region except through the
+// disjoint per-item outputs (out rows, partial slots); caches are only read there.
+struct Problem {
+  int64_t heads, kv_heads, group, dim;
+  float qscale;                  // scale * log2(e): scores come out in the log2 domain
+  const float* q;                // [B, heads, dim], fp32
+  std::vector<char*> k_base;     // per row: &cache[layer, 0, 0, 0, 0]
+  std::vector<char*> v_base;     // per row: &cache[layer, 1, 0, 0, 0]
+  std::vector<int64_t> hstride;  // per row: elements between kv heads
+  const int64_t* pos;            // [B]
+  float* out;                    // [B, heads, dim], fp32, normalised
+  float* part_acc;               // [slots, group, dim], unnormalised P.V of one span
+  float* part_ml;                // [slots, 2, group]: max score (log2) and sum of 2^(s - max)
+};
+
+// One unit of parallel work: kv head `kv_head` of row `row`, tokens [begin, end).
+struct Item {
+  int64_t row, kv_head, begin, end;
+  int64_t slot;  // partial-result slot; -1 when the span is the whole row (write `out` directly)
+};
+
+// A (row, kv head) cut into `count` spans whose partial results sit in consecutive slots.
+struct Split {
+  int64_t row, kv_head, first_slot, count;
+};
+
+// Per-thread buffers, sized once per call for the longest span.
+struct Scratch {
+  std::vector<float> scores;   // [group, span rounded up to 16]
+  std::vector<float> q;        // [group, dim], pre-scaled, in block layout
+  std::vector<float> acc;      // [group, dim], block layout
+  std::vector<float> acc_out;  // [group, dim], natural dim order
+  std::vector<float> mx, sum;  // [group]: span max (log2 domain), sum of 2^(s - max)
+  Scratch(int64_t group, int64_t dim, int64_t max_span)
+      : scores(group * ((max_span + kLanes - 1) / kLanes * kLanes)),
+        q(group * dim),
+        acc(group * dim),
+        acc_out(group * dim),
+        mx(group),
+        sum(group) {}
+};
+
+// Copies `rows` rows of `dim` floats, scaled, from natural dim order into block layout
+// (inverse = false), or unscaled from block layout back to natural order (inverse = true).
+// The layout is natural except for bf16 rows widened pairwise (vload_pairs): there each
+// 32-dim chunk holds its 16 even dims, then its 16 odd ones. q is laid out like the rows it
+// is dotted with (order doesn't matter to a dot product) and P.V's result is put back.
+template <bool Pairs>
+inline void to_block_layout(const float* src, int64_t rows, int64_t dim, float scale, float* dst,
+                            bool inverse) {
+  if constexpr (!Pairs) {
+    for (int64_t i = 0; i < rows * dim; ++i) dst[i] = src[i] * scale;
+    return;
+  }
+  for (int64_t c = 0; c < rows * dim; c += 32) {
+    for (int j = 0; j < kLanes; ++j) {
+      for (int odd = 0; odd < 2; ++odd) {
+        const int64_t natural = c + 2 * j + odd, block = c + odd * kLanes + j;
+        if (inverse) {
+          dst[natural] = src[block] * scale;
+        } else {
+          dst[block] = src[natural] * scale;
+        }
+      }
+    }
+  }
+}
+
+// ----------------------------------------------------------------------------------------------
+// Span kernels. Both passes stream a span's K (or V) rows once, widen each row into registers
+// and use it for every query head of a chunk of the GQA group, so per token nothing is stored
+// but the scores. Head counts per chunk are compile-time (NH) so all per-head state lives in
+// the 32 vector registers.
+// ----------------------------------------------------------------------------------------------
+
+// Geometry of a head row: NC vectors of 16 floats. Known at compile time for the common head
+// dims (strides become constant address offsets: a runtime stride cost ~30% in register
+// spills); NC = 0 reads it at run time for the uncommon ones.
+template <int NC>
+struct RowShape {
+  static constexpr int kCap = NC ? NC : kMaxChunks;  // capacity of per-row vector arrays
+  int nc_rt;
+  int nc() const { return NC ? NC : nc_rt; }
+  int64_t dim() const { return int64_t{nc()} * kLanes; }
+};
+
+// One row as fp32 vectors in block layout (see to_block_layout).
+template <typename E, int NC, bool Pairs>
+inline void load_row(RowShape<NC> rs, const E* row, Vec* out) {
+  if constexpr (Pairs) {
+    for (int c = 0; c < rs.nc(); c += 2) vload_pairs(row + c * kLanes, out[c], out[c + 1]);
+  } else {
+    for (int c = 0; c < rs.nc(); ++c) out[c] = vload(row + c * kLanes);
+  }
+}
+
+// q[h] . row for NH heads (q in block layout); zeros when !valid, so a span's tail block
+// never reads past the span (the next rows may lie beyond the tensor).
+template <typename E, int NC, int NH, bool Pairs>
+inline void dot_row(RowShape<NC> rs, const float* q, const E* row, bool valid, Vec* out) {
+  if (!valid) {
+    for (int h = 0; h < NH; ++h) out[h] = vzero();
+    return;
+  }
+  Vec r[RowShape<NC>::kCap];
+  load_row<E, NC, Pairs>(rs, row, r);
+  for (int h = 0; h < NH; ++h) {
+    const float* qh = q + h * rs.dim();
+    Vec a = vmul(r[0], vload(qh));
+    for (int c = 1; c < rs.nc(); ++c) a = vfma(r[c], vload(qh + c * kLanes), a);
+    out[h] = a;
+  }
+}
+
+// Scores of one 16-token block for NH heads, token by token. Each head's partial vectors are
+// folded as soon as their partner exists (a binary counter over fold levels 1, 2, 4, 8), so at
+// most five vectors per head are live. `cnt` < 16 only for a span's tail block (Full false).
+template <typename E, int NC, int NH, bool Pairs, bool Full>
+inline void score_block(RowShape<NC> rs, const float* q, const E* k, int cnt, float* scores,
+                        int64_t score_stride) {
+  Vec l1[NH], l2[NH], l3[NH];
+  // Every level is written before it is read, but GCC 12 -O3 miscompiled the portable build
+  // (wrong scores for NH >= 4) while these started uninitialised; zeroing costs nothing.
+  for (int h = 0; h < NH; ++h) l1[h] = l2[h] = l3[h] = vzero();
+#pragma GCC unroll 8
+  for (int t = 0; t < kLanes; t += 2) {
+    Vec x0[NH], x1[NH];
+    dot_row<E, NC, NH, Pairs>(rs, q, k + t * rs.dim(), Full || t < cnt, x0);
+    dot_row<E, NC, NH, Pairs>(rs, q, k + (t + 1) * rs.dim(), Full || t + 1 < cnt, x1);
+    for (int h = 0; h < NH; ++h) {
+      const Vec a = fold<1>(x0[h], x1[h]);
+      if (t % 4 == 0) {
+        l1[h] = a;
+        continue;
+      }
+      const Vec b = fold<2>(l1[h], a);
+      if (t % 8 == 2) {
+        l2[h] = b;
+        continue;
+      }
+      const Vec c = fold<4>(l2[h], b);
+      if (t == 6) {
+        l3[h] = c;
+        continue;
+      }
+      vstore(scores + h * score_stride, fold<8>(l3[h], c));
+    }
+  }
+}
+
+// Pass 1 (scores) for NH heads over a span of n rows; the tail lanes of the last block are 0.
+template <typename E, int NC, int NH, bool Pairs>
+void score_span(RowShape<NC> rs, const float* q, const E* k, int64_t n, float* scores,
+                int64_t score_stride) {
+  int64_t t0 = 0;
+  for (; t0 + kLanes <= n; t0 += kLanes) {
+    score_block<E, NC, NH, Pairs, true>(rs, q, k + t0 * rs.dim(), kLanes, scores + t0,
+                                        score_stride);
+  }
+  if (t0 < n) {
+    score_block<E, NC, NH, Pairs, false>(rs, q, k + t0 * rs.dim(), static_cast<int>(n - t0),
+                                         scores + t0, score_stride);
+  }
+}
+
+// Pass 3 (P.V) for NH heads over a span: acc[h] = sum_t p[h][t] * v[t], all NH * nc
+// accumulators in registers. Short head chunks alternate two accumulator sets so enough
+// independent FMA chains are in flight to hide the FMA latency.
+template <typename E, int NC, int NH, bool Pairs>
+void accumulate_span(RowShape<NC> rs, const float* p, int64_t p_stride, const E* v, int64_t n,
+                     float* acc) {
+  constexpr int kCap = RowShape<NC>::kCap;
+  constexpr int kSets = NH * kCap < 8 ? 2 : 1;
+  Vec a[kSets][NH][kCap];
+  for (auto& set : a) {
+    for (auto& head : set) {
+      for (Vec& x : head) x = vzero();
+    }
+  }
+  auto step = [&](int set, int64_t t) {
+    Vec row[kCap];
+    load_row<E, NC, Pairs>(rs, v + t * rs.dim(), row);
+    for (int h = 0; h < NH; ++h) {
+      const Vec w = vset1(p[h * p_stride + t]);
+      for (int c = 0; c < rs.nc(); ++c) a[set][h][c] = vfma(w, row[c], a[set][h][c]);
+    }
+  };
+  int64_t t = 0;
+  for (; t + kSets <= n; t += kSets) {
+    for (int set = 0; set < kSets; ++set) step(set, t + set);
+  }
+  for (; t < n; ++t) step(0, t);
+  for (int h = 0; h < NH; ++h) {
+    for (int c = 0; c < rs.nc(); ++c) {
+      Vec total = a[0][h][c];
+      for (int set = 1; set < kSets; ++set) total = vadd(total, a[set][h][c]);
+      vstore(acc + h * rs.dim() + c * kLanes, total);
+    }
+  }
+}
+
+// Calls kernel(std::integral_constant<int, nh>{}) for 1 <= nh <= MaxNH, so the kernel gets
+// its head count at compile time.
+template <int MaxNH, typename Kernel>
+void with_head_count(int nh, Kernel&& kernel) {
+  if constexpr (MaxNH > 1) {
+    if (nh < MaxNH) return with_head_count<MaxNH - 1>(nh, kernel);
+  }
+  kernel(std::integral_constant<int, MaxNH>{});
+}
+
+// Pass 1 for every head of the group, in chunks whose live vectors (five per head plus one
+// row) fit the registers. K is re-read per chunk, from L1/L2 for all but the first.
+template <typename E, int NC, bool Pairs>
+void score_heads(RowShape<NC> rs, const float* q, const E* k, int64_t n, int64_t group,
+                 float* scores, int64_t padded) {
+  constexpr int kMaxHeads = std::max(1, (26 - RowShape<NC>::kCap) / 5);
+  for (int64_t h0 = 0; h0 < group; h0 += kMaxHeads) {
+    const int nh = static_cast<int>(std::min<int64_t>(kMaxHeads, group - h0));
+    with_head_count<kMaxHeads>(nh, [&](auto heads) {
+      score_span<E, NC, decltype(heads)::value, Pairs>(rs, q + h0 * rs.dim(), k, n,
+                                                       scores + h0 * padded, padded);
+    });
+  }
+}
+
+// Pass 3 for every head of the group, in chunks whose accumulators (nc per head) fit the
+// registers. V is re-read per chunk, from L1/L2 for all but the first.
+template <typename E, int NC, bool Pairs>
+void accumulate_heads(RowShape<NC> rs, const float* p, int64_t padded, const E* v, int64_t n,
+                      int64_t group, float* acc) {
+  constexpr int kMaxHeads = std::max(1, 24 / RowShape<NC>::kCap);
+  for (int64_t h0 = 0; h0 < group; h0 += kMaxHeads) {
+    const int nh = static_cast<int>(std::min<int64_t>(kMaxHeads, group - h0));
+    with_head_count<kMaxHeads>(nh, [&](auto heads) {
+      accumulate_span<E, NC, decltype(heads)::value, Pairs>(rs, p + h0 * padded, padded, v, n,
+                                                            acc + h0 * rs.dim());
+    });
+  }
+}
+
+// In-place softmax numerators over one head's padded score row; returns (max, sum).
+inline std::pair<float, float> exponentiate(float* s, int64_t padded) {
+  Vec m = vset1(kNegInf);
+  for (int64_t t = 0; t < padded; t += kLanes) m = vmax(m, vload(s + t));
+  const float mx = vhmax(m);
+  const Vec mv = vset1(mx);
+  Vec sum = vzero();
+  for (int64_t t = 0; t < padded; t += kLanes) {
+    const Vec e = vexp2(vsub(vload(s + t), mv));
+    vstore(s + t, e);
+    sum = vadd(sum, e);
+  }
+  return {mx, vsum(sum)};
+}
+
+// ----------------------------------------------------------------------------------------------
+// One work item
+// ----------------------------------------------------------------------------------------------
+
+// Start of the item's K and V rows (the span's first token).
+template <typename E>
+inline std::pair<const E*, const E*> item_rows(const Problem& P, const Item& it) {
+  const int64_t off = it.kv_head * P.hstride[it.row] + it.begin * P.dim;
+  return {reinterpret_cast<const E*>(P.k_base[it.row]) + off,
+          reinterpret_cast<const E*>(P.v_base[it.row]) + off};
+}
+
+// Stores one finished span: normalised output, or the raw state for the later merge.
+inline void finish_item(const Problem& P, const Item& it, const float* acc, const float* mx,
+                        const float* sum) {
+  const int64_t gd = P.group * P.dim;
+  if (it.slot < 0) {
+    float* o = P.out + (it.row * P.heads + it.kv_head * P.group) * P.dim;
+    for (int64_t h = 0; h < P.group; ++h) {
+      const Vec inv = vset1(1.0f / sum[h]);
+      for (int64_t c = 0; c < P.dim; c += kLanes) {
+        vstore(o + h * P.dim + c, vmul(vload(acc + h * P.dim + c), inv));
+      }
+    }
+    return;
+  }
+  std::memcpy(P.part_acc + it.slot * gd, acc, gd * sizeof(float));
+  float* ml = P.part_ml + it.slot * 2 * P.group;
+  std::memcpy(ml, mx, P.group * sizeof(float));
+  std::memcpy(ml + P.group, sum, P.group * sizeof(float));
+}
+
+template <typename E, int NC, bool Pairs>
+void run_item(const Problem& P, const Item& it, Scratch& s) {
+  const RowShape<NC> rs{static_cast<int>(P.dim / kLanes)};
+  const int64_t dim = rs.dim(), group = P.group;
+  const auto [k, v] = item_rows<E>(P, it);
+  const float* qsrc = P.q + (it.row * P.heads + it.kv_head * group) * dim;
+  to_block_layout<Pairs>(qsrc, group, dim, P.qscale, s.q.data(), false);
+
+  const int64_t n = it.end - it.begin;
+  const int64_t padded = (n + kLanes - 1) / kLanes * kLanes;
+  score_heads<E, NC, Pairs>(rs, s.q.data(), k, n, group, s.scores.data(), padded);
+  for (int64_t h = 0; h < group; ++h) {  // padding lanes must take no softmax weight
+    float* row = s.scores.data() + h * padded;
+    std::fill(row + n, row + padded, kNegInf);
+    std::tie(s.mx[h], s.sum[h]) = exponentiate(row, padded);
+  }
+  accumulate_heads<E, NC, Pairs>(rs, s.scores.data(), padded, v, n, group, s.acc.data());
+  to_block_layout<Pairs>(s.acc.data(), group, dim, 1.0f, s.acc_out.data(), true);
+  finish_item(P, it, s.acc_out.data(), s.mx.data(), s.sum.data());
+}
+
+// ----------------------------------------------------------------------------------------------
+// Planning, scheduling, merging
+// ----------------------------------------------------------------------------------------------
+
+struct Plan {
+  std::vector<Item> items;    // longest first
+  std::vector<Split> splits;  // (row, kv head) pairs cut into several spans
+  int64_t slots = 0;
+  int64_t max_span = 0;
+};
+
+// Span length: ~8 items per thread keeps the longest item small next to a thread's share of
+// the work; kMinSpan bounds the merge overhead, kMaxSpan the score buffer.
+inline int64_t choose_span(const int64_t* pos, int64_t rows, int64_t kv_heads, int threads) {
+  int64_t total = 0;
+  for (int64_t b = 0; b < rows; ++b) total += pos[b] + 1;
+  const int64_t target = total * kv_heads / (8 * std::max(threads, 1));
+  const int64_t rounded = (target + kLanes - 1) / kLanes * kLanes;
+  return std::clamp(rounded, kMinSpan, kMaxSpan);
+}
+
+inline Plan plan_items(const int64_t* pos, int64_t rows, int64_t kv_heads, int64_t span) {
+  Plan plan;
+  plan.items.reserve(rows * kv_heads);
+  for (int64_t b = 0; b < rows; ++b) {
+    const int64_t n = pos[b] + 1;
+    const int64_t count = (n + span - 1) / span;
+    for (int64_t g = 0; g < kv_heads; ++g) {
+      if (count == 1) {
+        plan.items.push_back({b, g, 0, n, -1});
+        continue;
+      }
+      plan.splits.push_back({b, g, plan.slots, count});
+      for (int64_t i = 0; i < count; ++i) {
+        plan.items.push_back({b, g, i * span, std::min(n, (i + 1) * span), plan.slots++});
+      }
+    }
+    plan.max_span = std::max(plan.max_span, std::min(n, span));
+  }
+  std::stable_sort(plan.items.begin(), plan.items.end(), [](const Item& a, const Item& b) {
+    return a.end - a.begin > b.end - b.begin;
+  });
+  return plan;
+}
+
+// One task per thread; each pulls the next-longest item until none are left (dynamic LPT).
+template <typename E, int NC, bool Pairs>
+void run_items(const Problem& P, const Plan& plan) {
+  std::atomic<int64_t> next{0};
+  const auto n_items = static_cast<int64_t>(plan.items.size());
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    Scratch scratch(P.group, P.dim, plan.max_span);
+    for (int64_t i = next.fetch_add(1); i < n_items; i = next.fetch_add(1)) {
+      run_item<E, NC, Pairs>(P, plan.items[i], scratch);
+    }
+  });
+}
+
+// Compile-time vector counts for the common head dims let the compiler keep q and the
+// accumulators in registers; bf16 rows use the cheaper pairwise widening when dim % 32 == 0.
+template <typename E>
+void run_for_dim(const Problem& P, const Plan& plan) {
+  constexpr bool kBf16 = std::is_same_v<E, uint16_t>;
+  switch (P.dim / kLanes) {
+    case 4: return run_items<E, 4, kBf16>(P, plan);
+    case 8: return run_items<E, 8, kBf16>(P, plan);
+    default:
+      if (kBf16 && P.dim % 32 == 0) return run_items<E, 0, kBf16>(P, plan);
+      return run_items<E, 0, false>(P, plan);
+  }
+}
+
+// Softmax-merge of the spans of one (row, kv head): rescale each span by 2^(max_i - max).
+inline void merge_split(const Problem& P, const Split& sp) {
+  const int64_t gd = P.group * P.dim;
+  float* o = P.out + (sp.row * P.heads + sp.kv_head * P.group) * P.dim;
+  for (int64_t h = 0; h < P.group; ++h) {
+    float mx = kNegInf;
+    for (int64_t i = 0; i < sp.count; ++i) {
+      mx = std::max(mx, P.part_ml[(sp.first_slot + i) * 2 * P.group + h]);
+    }
+    float total = 0.0f;
+    float* oh = o + h * P.dim;
+    std::fill_n(oh, P.dim, 0.0f);
+    for (int64_t i = 0; i < sp.count; ++i) {
+      const int64_t slot = sp.first_slot + i;
+      const float* ml = P.part_ml + slot * 2 * P.group;
+      const float w = std::exp2(ml[h] - mx);
+      total += w * ml[P.group + h];
+      const float* acc = P.part_acc + slot * gd + h * P.dim;
+      for (int64_t d = 0; d < P.dim; ++d) oh[d] += w * acc[d];
+    }
+    for (int64_t d = 0; d < P.dim; ++d) oh[d] /= total;
+  }
+}
+
+// ----------------------------------------------------------------------------------------------
+// Entry point
+// ----------------------------------------------------------------------------------------------
+
+// Copies k_new[b, g] / v_new[b, g] ([B, kv_heads, dim], cache dtype) to position pos[b] of
+// kv head g of row b's cache.
+void append_new_tokens(const Problem& P, int64_t rows, const char* k_new, const char* v_new,
+                       int64_t elem) {
+  const int64_t row_bytes = P.dim * elem;
+  for (int64_t b = 0; b < rows; ++b) {
+    for (int64_t g = 0; g < P.kv_heads; ++g) {
+      const int64_t dst = (g * P.hstride[b] + P.pos[b] * P.dim) * elem;
+      const int64_t src = (b * P.kv_heads + g) * row_bytes;
+      std::memcpy(P.k_base[b] + dst, k_new + src, row_bytes);
+      std::memcpy(P.v_base[b] + dst, v_new + src, row_bytes);
+    }
+  }
+}
+
+// Input checks raise ValueError in Python (TORCH_CHECK_VALUE), like the PyTorch reference.
+#define ALIGNEDSERVE_CHECK(cond, ...) TORCH_CHECK_VALUE(cond, "decode_attention: ", __VA_ARGS__)
+
+void check_shapes(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new,
+                  size_t n_caches, const at::Tensor& positions) {
+  ALIGNEDSERVE_CHECK(q.dim() == 3 && k_new.dim() == 3 && v_new.dim() == 3,
+                     "q, k_new, v_new must be 3-d [B, heads, head_dim]");
+  const int64_t rows = q.size(0), dim = q.size(2);
+  ALIGNEDSERVE_CHECK(k_new.sizes() == v_new.sizes(), "k_new and v_new shapes differ");
+  ALIGNEDSERVE_CHECK(k_new.size(0) == rows && k_new.size(2) == dim, "k_new shape ",
+                     k_new.sizes(), " does not match q ", q.sizes());
+  ALIGNEDSERVE_CHECK(k_new.size(1) > 0 && q.size(1) % k_new.size(1) == 0,
+                     "heads must be a multiple of kv heads");
+  ALIGNEDSERVE_CHECK(dim % kLanes == 0 && dim > 0 && dim <= kLanes * kMaxChunks,
+                     "head_dim must be a multiple of 16 in [16, 256], got ", dim);
+  ALIGNEDSERVE_CHECK(static_cast<int64_t>(n_caches) == rows && positions.numel() == rows,
+                     "need one cache and one position per row");
+  ALIGNEDSERVE_CHECK(q.device().is_cpu() && k_new.device().is_cpu() &&
+                         v_new.device().is_cpu() && positions.device().is_cpu(),
+                     "all inputs must be on CPU");
+}
+
+void check_cache(const at::Tensor& c, at::ScalarType dtype, int64_t kv_heads, int64_t dim,
+                 int64_t layer, int64_t pos) {
+  ALIGNEDSERVE_CHECK(c.device().is_cpu(), "caches must be on CPU");
+  ALIGNEDSERVE_CHECK(c.dim() == 5, "a cache must be [layers, 2, kv_heads, capacity, dim]");
+  ALIGNEDSERVE_CHECK(c.scalar_type() == dtype, "all caches must share one dtype");
+  ALIGNEDSERVE_CHECK(c.size(1) == 2 && c.size(2) == kv_heads && c.size(4) == dim,
+                     "cache shape ", c.sizes(), " does not match kv_heads=", kv_heads,
+                     " head_dim=", dim);
+  ALIGNEDSERVE_CHECK(c.stride(4) == 1 && (c.size(3) == 1 || c.stride(3) == dim),
+                     "cache tokens must be densely packed (strides ", c.strides(), ")");
+  ALIGNEDSERVE_CHECK(layer >= 0 && layer < c.size(0), "layer ", layer, " out of range for ",
+                     c.size(0), " layers");
+  ALIGNEDSERVE_CHECK(pos >= 0 && pos < c.size(3), "position ", pos, " outside capacity ",
+                     c.size(3));
+}
+
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_new,
+                            const at::Tensor& v_new, const std::vector<at::Tensor>& caches,
+                            const at::Tensor& positions, int64_t layer, double scale) {
+  check_shapes(q, k_new, v_new, caches.size(), positions);
+  const int64_t rows = q.size(0), heads = q.size(1), kv_heads = k_new.size(1), dim = q.size(2);
+  if (rows == 0) return at::empty_like(q);
+  const at::ScalarType dtype = caches[0].scalar_type();
+  ALIGNEDSERVE_CHECK(dtype == at::kBFloat16 || dtype == at::kFloat,
+                     "caches must be bfloat16 or float32");
+
+  const at::Tensor pos = positions.to(at::kLong).contiguous();
+  const at::Tensor qf = q.to(at::kFloat).contiguous();
+  const at::Tensor kn = k_new.to(dtype).contiguous();
+  const at::Tensor vn = v_new.to(dtype).contiguous();
+  const auto elem = static_cast<int64_t>(caches[0].element_size());
+
+  Problem P;
+  P.heads = heads;
+  P.kv_heads = kv_heads;
+  P.group = heads / kv_heads;
+  P.dim = dim;
+  P.qscale = static_cast<float>(scale * kLog2e);
+  P.q = qf.data_ptr<float>();
+  P.pos = pos.data_ptr<int64_t>();
+  for (int64_t b = 0; b < rows; ++b) {
+    const at::Tensor& c = caches[b];
+    check_cache(c, dtype, kv_heads, dim, layer, P.pos[b]);
+    char* base = static_cast<char*>(c.data_ptr()) + layer * c.stride(0) * elem;
+    P.k_base.push_back(base);
+    P.v_base.push_back(base + c.stride(1) * elem);
+    P.hstride.push_back(c.stride(2));
+  }
+  // All rows are valid, so now (and not earlier: an error must leave the caches untouched)
+  // append the new tokens. Doing it before any attention work means every span sees them,
+  // whichever thread reads the row.
+  append_new_tokens(P, rows, static_cast<const char*>(kn.data_ptr()),
+                    static_cast<const char*>(vn.data_ptr()), elem);
+
+  const int threads = at::get_num_threads();
+  const Plan plan = plan_items(P.pos, rows, kv_heads, choose_span(P.pos, rows, kv_heads, threads));
+  at::Tensor out = at::empty({rows, heads, dim}, qf.options());
+  at::Tensor part_acc = at::empty({plan.slots, P.group, dim}, qf.options());
+  at::Tensor part_ml = at::empty({plan.slots, 2, P.group}, qf.options());
+  P.out = out.data_ptr<float>();
+  P.part_acc = part_acc.data_ptr<float>();
+  P.part_ml = part_ml.data_ptr<float>();
+
+  if (dtype == at::kFloat) {
+    run_for_dim<float>(P, plan);
+  } else {
+    run_for_dim<uint16_t>(P, plan);
+  }
+  at::parallel_for(0, static_cast<int64_t>(plan.splits.size()), 8, [&](int64_t lo, int64_t hi) {
+    for (int64_t i = lo; i < hi; ++i) merge_split(P, plan.splits[i]);
+  });
+  return q.scalar_type() == at::kFloat ? out : out.to(q.scalar_type());
+}
+
+// Which instruction path this build contains, for logs and tests.
+std::string compiled_path() {
+#if defined(__AVX512F__)
+  return "avx512";
+#else
+  return "portable";
+#endif
+}
+
+}  // namespace
+}  // namespace alignedserve
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("decode_attention", &alignedserve::decode_attention,
+        "Write the new K/V of every row into its cache, then attend q over positions 0..pos.",
+        pybind11::arg("q"), pybind11::arg("k_new"), pybind11::arg("v_new"),
+        pybind11::arg("caches"), pybind11::arg("positions"), pybind11::arg("layer"),
+        pybind11::arg("scale"));
+  m.def("compiled_path", &alignedserve::compiled_path,
+        "'avx512' or 'portable': the instruction path compiled in.");
+}

@@ -1,0 +1,180 @@
+"""CPU decode-attention kernel: a small C++ extension with a pure-PyTorch reference fallback.
+
+``decode_attention`` is the only entry point the engine uses. It calls the compiled kernel
+(``alignedserve/csrc/attention.cpp``) when it is available and supports the inputs, and
+otherwise ``decode_attention_reference``, which has the same semantics. Both:
+
+* write ``k_new[b]`` / ``v_new[b]`` into ``caches[b][layer, 0/1, :, positions[b]]`` first;
+* then attend ``q[b]`` over cache positions ``0..positions[b]`` inclusive, query head ``h``
+  reading kv head ``h // (num_heads // num_kv_heads)``, softmax(scale * q.k) accumulated in
+  float32, and return ``[B, num_heads, head_dim]`` in ``q``'s dtype.
+
+Nothing else in any cache is modified. The kernel is built once per machine with
+``torch.utils.cpp_extension.load`` into ``$ALIGNEDSERVE_CACHE/torch_extensions`` (default
+``~/.cache/alignedserve``) and memoised per process; a failed build is logged once and the
+reference is used from then on. ``ALIGNEDSERVE_NO_KERNELS=1`` forces the reference (read at
+every call, so tests can flip it).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_EXT_NAME = "alignedserve_attention"
+_SOURCES = ("attention.cpp",)
+_KERNEL_DTYPES = (torch.bfloat16, torch.float32)
+_MAX_HEAD_DIM = 256
+
+
+def kernels_disabled() -> bool:
+    """True when ``ALIGNEDSERVE_NO_KERNELS=1`` asks for the pure-PyTorch path."""
+    return os.environ.get("ALIGNEDSERVE_NO_KERNELS", "") == "1"
+
+
+def cache_root() -> Path:
+    """Root of AlignedServe's per-machine cache (``$ALIGNEDSERVE_CACHE`` or ~/.cache/...)."""
+    return Path(os.environ.get("ALIGNEDSERVE_CACHE", Path.home() / ".cache" / "alignedserve"))
+
+
+def _machine_tag() -> str:
+    """Short hash of what the binary depends on beyond its sources.
+
+    ``-march=native`` output is only valid on CPUs with the same features, and the extension
+    ABI follows the torch build, so both go into the build directory name: a home directory
+    shared between different machines, or a torch upgrade, gets a fresh build instead of a
+    crash (torch's own rebuild check hashes only sources and flags).
+    """
+    flags = ""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        pass
+    return hashlib.sha256(f"{torch.__version__}|{flags}".encode()).hexdigest()[:12]
+
+
+def _ensure_ninja_on_path() -> None:
+    """Let torch find the ``ninja`` that pip installed next to this interpreter.
+
+    A venv's console scripts run without the venv's bin dir on PATH, and torch looks ninja up
+    on PATH only; without it every build fails. Side effect: PATH gains that one directory.
+    """
+    bin_dir = Path(sys.executable).parent
+    if shutil.which("ninja") is None and (bin_dir / "ninja").exists():
+        os.environ["PATH"] = f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"
+
+
+@functools.lru_cache(maxsize=1)
+def load_kernels() -> ModuleType | None:
+    """Build (first time on this machine) and import the extension; None if that fails.
+
+    Memoised: the build or import is attempted at most once per process, and a failure is
+    logged once. Concurrent processes are serialised by torch's lock file in the build dir.
+    """
+    from torch.utils import cpp_extension
+
+    csrc = Path(__file__).resolve().parent.parent / "csrc"
+    build_dir = cache_root() / "torch_extensions" / f"{_EXT_NAME}-{_machine_tag()}"
+    start = time.perf_counter()
+    try:
+        _ensure_ninja_on_path()
+        build_dir.mkdir(parents=True, exist_ok=True)
+        module = cpp_extension.load(
+            name=_EXT_NAME,
+            sources=[str(csrc / s) for s in _SOURCES],
+            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(build_dir),
+            verbose=False,
+        )
+    except Exception as exc:  # any build/import failure must degrade, not crash the engine
+        # The compiler output sits inside the message; cap it so the log stays readable.
+        log.warning("decode-attention kernel unavailable, using the PyTorch reference "
+                    "(slower): %s", str(exc)[-4000:])
+        return None
+    log.info("decode-attention kernel ready in %.1f s (%s, %s)",
+             time.perf_counter() - start, module.compiled_path(), build_dir)
+    return module
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_once(message: str) -> None:
+    """Log each distinct fallback reason once per process (the cache is the 'seen' set)."""
+    log.warning(message)
+
+
+def _kernel_rejects(q: torch.Tensor, caches: list[torch.Tensor]) -> str | None:
+    """Why the compiled kernel cannot take these inputs (None: it can).
+
+    O(1) on purpose (a Python pass over 64 caches costs ~50 us, 5% of the kernel): only
+    properties that route a whole call elsewhere are screened. Row-level problems (a row of
+    another dtype, device or layout, a position past capacity) raise ValueError in the kernel.
+    """
+    dim = q.shape[-1]
+    if dim % 16 or not 0 < dim <= _MAX_HEAD_DIM:
+        return f"head_dim {dim} is not a multiple of 16 up to {_MAX_HEAD_DIM}"
+    if q.device.type != "cpu":
+        return f"inputs on {q.device.type}"
+    if caches and caches[0].dtype not in _KERNEL_DTYPES:
+        return f"cache dtype {caches[0].dtype} (kernel takes {_KERNEL_DTYPES})"
+    return None
+
+
+def decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+                     caches: list[torch.Tensor], positions: torch.Tensor, layer: int,
+                     scale: float) -> torch.Tensor:
+    """Append each row's new K/V at ``positions[b]`` and attend over ``0..positions[b]``.
+
+    Shapes: q [B, H, D]; k_new, v_new [B, KVH, D] (cast to the cache dtype); caches[b]
+    [layers, 2, KVH, capacity_b, D]; positions int64 [B] on CPU. Returns [B, H, D] in q's
+    dtype. See the module docstring for the exact semantics shared with the reference.
+    """
+    if not kernels_disabled():
+        reason = _kernel_rejects(q, caches)
+        module = load_kernels() if reason is None else None
+        if module is not None:
+            return module.decode_attention(q, k_new, v_new, caches, positions, layer, scale)
+        if reason is not None:
+            _warn_once(f"decode-attention kernel skipped ({reason}); using the PyTorch reference")
+    return decode_attention_reference(q, k_new, v_new, caches, positions, layer, scale)
+
+
+def decode_attention_reference(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+                               caches: list[torch.Tensor], positions: torch.Tensor, layer: int,
+                               scale: float) -> torch.Tensor:
+    """Pure-PyTorch decode attention with exactly ``decode_attention``'s semantics.
+
+    One matmul -> softmax -> matmul per row in float32, GQA by viewing the row's query heads
+    as [kv_heads, group, dim]. Correct for any dtype/head_dim; slower than the kernel.
+    """
+    rows, heads, dim = q.shape
+    if len(caches) != rows or positions.numel() != rows:
+        raise ValueError("decode_attention: need one cache and one position per row")
+    pos_list = positions.tolist()
+    for cache, pos in zip(caches, pos_list):  # validate all rows before mutating any
+        if not 0 <= layer < cache.shape[0]:
+            raise ValueError(f"decode_attention: layer {layer} out of range for {cache.shape[0]}")
+        if not 0 <= pos < cache.shape[3]:
+            raise ValueError(f"decode_attention: position {pos} outside capacity {cache.shape[3]}")
+    out = torch.empty_like(q)
+    for b, (cache, pos) in enumerate(zip(caches, pos_list)):
+        cache[layer, 0, :, pos].copy_(k_new[b])
+        cache[layer, 1, :, pos].copy_(v_new[b])
+        k = cache[layer, 0, :, : pos + 1].float()  # [kv_heads, n, dim]
+        v = cache[layer, 1, :, : pos + 1].float()
+        qg = q[b].float().reshape(k.shape[0], heads // k.shape[0], dim)
+        probs = torch.softmax(torch.matmul(qg, k.transpose(1, 2)) * scale, dim=-1)
+        out[b] = torch.matmul(probs, v).reshape(heads, dim).to(q.dtype)
+    return out

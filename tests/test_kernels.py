@@ -1,0 +1,206 @@
+"""Decode-attention kernel vs the pure-PyTorch reference (alignedserve.executor.kernels).
+
+The first run on a machine builds the C++ extension (~30 s, cached under
+$ALIGNEDSERVE_CACHE); later runs take a few seconds. A failed build fails these tests rather
+than skipping them, unless ALIGNEDSERVE_NO_KERNELS=1 says the fallback is intended.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from types import ModuleType
+
+import pytest
+import torch
+
+from alignedserve.executor import kernels
+from alignedserve.executor.kernels import decode_attention, decode_attention_reference
+
+LENGTHS = (1, 2, 17, 300, 1000)
+LAYERS, LAYER = 3, 1  # attend to a middle layer so writes to the wrong layer would show
+
+
+@dataclass
+class Case:
+    q: torch.Tensor
+    k_new: torch.Tensor
+    v_new: torch.Tensor
+    caches: list[torch.Tensor]
+    positions: torch.Tensor
+    scale: float
+
+    def fresh_caches(self) -> list[torch.Tensor]:
+        return [c.clone() for c in self.caches]
+
+
+def make_case(dtype: torch.dtype, lengths: tuple[int, ...], heads: int, kv_heads: int,
+              dim: int, q_dtype: torch.dtype | None = None, seed: int = 0) -> Case:
+    """Rows of the given KV lengths; the new token goes at position length-1.
+
+    Capacities vary per row; the longest row is full (position == capacity - 1), so a read
+    or write past a row's end would leave the tensor. Unused cache slots hold NaN: reading one
+    would poison the output.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    caches = []
+    for i, n in enumerate(lengths):
+        cap = n if n == max(lengths) else n + 1 + 7 * i
+        cache = torch.randn(LAYERS, 2, kv_heads, cap, dim, generator=gen).to(dtype)
+        cache[:, :, :, n - 1:] = float("nan")
+        caches.append(cache)
+    rows = len(lengths)
+    q = torch.randn(rows, heads, dim, generator=gen) * 2  # sharper softmax than unit scale
+    k_new = torch.randn(rows, kv_heads, dim, generator=gen)
+    v_new = torch.randn(rows, kv_heads, dim, generator=gen)
+    return Case(q.to(q_dtype or dtype), k_new.to(dtype), v_new.to(dtype), caches,
+                torch.tensor([n - 1 for n in lengths], dtype=torch.int64), dim ** -0.5)
+
+
+def tolerance(dtype: torch.dtype) -> dict[str, float]:
+    """fp32: summation-order noise only; bf16 outputs: one rounding step (2^-8 relative)."""
+    return {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 1e-2, "rtol": 1e-2}
+
+
+@pytest.fixture(scope="module")
+def ext() -> ModuleType:
+    if os.environ.get("ALIGNEDSERVE_NO_KERNELS") == "1":
+        pytest.skip("ALIGNEDSERVE_NO_KERNELS=1: only the reference is in use")
+    module = kernels.load_kernels()
+    assert module is not None, "the decode-attention extension failed to build (see log)"
+    return module
+
+
+def run_both(ext: ModuleType, case: Case) -> tuple[torch.Tensor, list[torch.Tensor],
+                                                    torch.Tensor, list[torch.Tensor]]:
+    """(kernel out, kernel caches, reference out, reference caches) on separate cache copies."""
+    k_caches, r_caches = case.fresh_caches(), case.fresh_caches()
+    args = (case.k_new, case.v_new)
+    out = ext.decode_attention(case.q, *args, k_caches, case.positions, LAYER, case.scale)
+    ref = decode_attention_reference(case.q, *args, r_caches, case.positions, LAYER, case.scale)
+    return out, k_caches, ref, r_caches
+
+
+def expected_caches(case: Case) -> list[torch.Tensor]:
+    """The input caches with exactly the new K/V rows written."""
+    caches = case.fresh_caches()
+    for b, pos in enumerate(case.positions.tolist()):
+        caches[b][LAYER, 0, :, pos] = case.k_new[b].to(caches[b].dtype)
+        caches[b][LAYER, 1, :, pos] = case.v_new[b].to(caches[b].dtype)
+    return caches
+
+
+def assert_same_caches(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g.nan_to_num(7.0), w.nan_to_num(7.0))  # NaN slots must stay NaN
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group,dim", [(1, 64), (3, 64), (1, 128), (3, 128), (7, 64), (8, 128)])
+def test_kernel_matches_reference(ext: ModuleType, dtype: torch.dtype, group: int,
+                                  dim: int) -> None:
+    case = make_case(dtype, LENGTHS, heads=2 * group, kv_heads=2, dim=dim)
+    out, k_caches, ref, r_caches = run_both(ext, case)
+    assert out.dtype == dtype and out.shape == case.q.shape
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, ref, **tolerance(dtype))
+    assert_same_caches(k_caches, expected_caches(case))
+    assert_same_caches(r_caches, expected_caches(case))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_long_rows_split_into_spans(ext: ModuleType, dtype: torch.dtype) -> None:
+    """A few long rows are cut into spans merged afterwards; thread count must not matter."""
+    case = make_case(dtype, (5000, 3, 2100), heads=8, kv_heads=2, dim=64, seed=1)
+    out, k_caches, ref, _ = run_both(ext, case)
+    torch.testing.assert_close(out, ref, **tolerance(dtype))
+    assert_same_caches(k_caches, expected_caches(case))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        single, _, _, _ = run_both(ext, case)
+    finally:
+        torch.set_num_threads(threads)
+    torch.testing.assert_close(single, out, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("dim", [48, 96, 256])
+def test_uncommon_head_dims(ext: ModuleType, dim: int) -> None:
+    """Head dims without a specialised build (runtime vector count, 16- and 32-multiples)."""
+    for dtype in (torch.float32, torch.bfloat16):
+        case = make_case(dtype, (5, 40, 129), heads=4, kv_heads=1, dim=dim, seed=dim)
+        out, k_caches, ref, _ = run_both(ext, case)
+        torch.testing.assert_close(out, ref, **tolerance(dtype))
+        assert_same_caches(k_caches, expected_caches(case))
+
+
+def test_fp32_query_on_bf16_cache(ext: ModuleType) -> None:
+    """q stays fp32 (output fp32), k_new/v_new arrive fp32 and are rounded into the cache."""
+    case = make_case(torch.bfloat16, LENGTHS, heads=6, kv_heads=2, dim=64, q_dtype=torch.float32)
+    case.k_new, case.v_new = case.k_new.float() + 1e-3, case.v_new.float() - 1e-3
+    out, k_caches, ref, _ = run_both(ext, case)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+    assert_same_caches(k_caches, expected_caches(case))
+
+
+def test_rows_of_a_cohort_slab(ext: ModuleType) -> None:
+    """caches[b] may be a strided view slab[:, :, b] of [layers, 2, rows, kv_heads, cap, dim]."""
+    lengths = (7, 64, 33)
+    slab = torch.randn(LAYERS, 2, len(lengths), 2, 80, 64)
+    case = make_case(torch.float32, lengths, heads=4, kv_heads=2, dim=64)
+    case.caches = [slab[:, :, b] for b in range(len(lengths))]
+    out, k_caches, ref, _ = run_both(ext, case)
+    torch.testing.assert_close(out, ref, **tolerance(torch.float32))
+    assert_same_caches(k_caches, expected_caches(case))
+
+
+def test_env_var_forces_reference(ext: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
+    case = make_case(torch.bfloat16, LENGTHS, heads=6, kv_heads=2, dim=64)
+    fast = decode_attention(case.q, case.k_new, case.v_new, case.fresh_caches(), case.positions,
+                            LAYER, case.scale)
+    monkeypatch.setenv("ALIGNEDSERVE_NO_KERNELS", "1")
+    caches = case.fresh_caches()
+    slow = decode_attention(case.q, case.k_new, case.v_new, caches, case.positions, LAYER,
+                            case.scale)
+    ref = decode_attention_reference(case.q, case.k_new, case.v_new, case.fresh_caches(),
+                                     case.positions, LAYER, case.scale)
+    assert torch.equal(slow, ref)  # bit-identical: it *is* the reference
+    torch.testing.assert_close(fast, slow, **tolerance(torch.bfloat16))
+    assert_same_caches(caches, expected_caches(case))
+
+
+def test_unsupported_head_dim_falls_back(caplog: pytest.LogCaptureFixture,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("ALIGNEDSERVE_NO_KERNELS", raising=False)  # the log is the kernel path's
+    kernels._warn_once.cache_clear()  # the reason is logged once per process
+    case = make_case(torch.float32, (3, 20), heads=2, kv_heads=1, dim=40)
+    with caplog.at_level("WARNING", logger=kernels.__name__):
+        out = decode_attention(case.q, case.k_new, case.v_new, case.fresh_caches(),
+                               case.positions, LAYER, case.scale)
+    ref = decode_attention_reference(case.q, case.k_new, case.v_new, case.fresh_caches(),
+                                     case.positions, LAYER, case.scale)
+    assert torch.equal(out, ref)
+    assert any("head_dim 40" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("use_kernel", [True, False])
+def test_bad_inputs_raise_value_error(ext: ModuleType, monkeypatch: pytest.MonkeyPatch,
+                                      use_kernel: bool) -> None:
+    if not use_kernel:
+        monkeypatch.setenv("ALIGNEDSERVE_NO_KERNELS", "1")
+    case = make_case(torch.float32, (4, 9), heads=2, kv_heads=1, dim=64)
+    past_end = torch.tensor([4, 9])  # row 1's capacity is 9
+    with pytest.raises(ValueError, match="capacity"):
+        decode_attention(case.q, case.k_new, case.v_new, case.fresh_caches(), past_end, LAYER,
+                         case.scale)
+    with pytest.raises(ValueError, match="one cache"):
+        decode_attention(case.q, case.k_new, case.v_new, case.caches[:1], case.positions, LAYER,
+                         case.scale)
+
+
+def test_empty_batch(ext: ModuleType) -> None:
+    q = torch.empty(0, 4, 64)
+    kv = torch.empty(0, 2, 64)
+    out = decode_attention(q, kv, kv, [], torch.empty(0, dtype=torch.int64), 0, 0.125)
+    assert out.shape == (0, 4, 64)
