@@ -51,10 +51,11 @@ def cache_root() -> Path:
 def _machine_tag() -> str:
     """Short hash of what the binary depends on beyond its sources.
 
-    ``-march=native`` output is only valid on CPUs with the same features, and the extension
-    ABI follows the torch build, so both go into the build directory name: a home directory
-    shared between different machines, or a torch upgrade, gets a fresh build instead of a
-    crash (torch's own rebuild check hashes only sources and flags).
+    ``-march=native`` code runs only on CPUs with the same features, and the extension's ABI
+    follows the torch build and the Python interpreter, so all of these name the build dir: a
+    home directory shared by different machines or environments gets one build per
+    combination instead of a crash or two environments rebuilding each other's binary
+    (torch's own rebuild check hashes only sources and flags).
     """
     flags = ""
     try:
@@ -62,7 +63,8 @@ def _machine_tag() -> str:
             flags = next((line for line in f if line.startswith("flags")), "")
     except OSError:
         pass
-    return hashlib.sha256(f"{torch.__version__}|{flags}".encode()).hexdigest()[:12]
+    key = f"{torch.__version__}|{sys.version}|{sys.prefix}|{flags}"
+    return hashlib.sha256(key.encode()).hexdigest()[:12]
 
 
 def _ensure_ninja_on_path() -> None:

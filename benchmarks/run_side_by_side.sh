@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Side-by-side run: our policies and the peer engines, one server at a time, same client.
+#   PEERS=/path/to/peers benchmarks/run_side_by_side.sh OUTDIR [WORKLOAD...]
+# PEERS holds start_vllm.sh (port 8101) and start_llamacpp.sh (port 8102), installed as in
+# ../shared/peers/README.md; missing ones are skipped. Targets: env TARGETS (default all).
+set -uo pipefail
+OUT=${1:?output dir}; shift
+WORKLOADS=("$@"); [ ${#WORKLOADS[@]} -eq 0 ] && WORKLOADS=(varied uniform)
+TARGETS=${TARGETS:-"aligned fcfs static vllm llamacpp"}
+PEERS=${PEERS:-/work/peers}
+PY=${PY:-.venv/bin/python}
+N=${N:-64}
+
+spec() {
+  case $1 in
+    varied) echo "synthetic:varied:in=64-3072,out=256" ;;
+    uniform) echo "synthetic:fixed:in=512,out=256" ;;
+    *) echo "$1" ;;
+  esac
+}
+
+start() {  # target -> sets PID and PORT
+  case $1 in
+    vllm) PORT=8101; "$PEERS/start_vllm.sh" > "$OUT/$1.log" 2>&1 & PID=$! ;;
+    llamacpp) PORT=8102; "$PEERS/start_llamacpp.sh" --no-cache-prompt > "$OUT/$1.log" 2>&1 & PID=$! ;;
+    *) PORT=8100; $PY -m alignedserve.entrypoints.cli serve --port 8100 --policy "$1" \
+         --no-access-log > "$OUT/$1.log" 2>&1 & PID=$! ;;
+  esac
+  for _ in $(seq 600); do
+    curl -sf "http://127.0.0.1:$PORT/v1/models" > /dev/null && return 0
+    kill -0 $PID 2>/dev/null || return 1
+    sleep 1
+  done
+  return 1
+}
+
+mkdir -p "$OUT"
+for target in $TARGETS; do
+  if ! start "$target"; then echo "skip $target (did not start)"; kill $PID 2>/dev/null; continue; fi
+  for w in "${WORKLOADS[@]}"; do
+    echo "== $target / $w ($(date -u +%H:%M:%S), load $(cut -d' ' -f1 /proc/loadavg))"
+    $PY -m alignedserve.entrypoints.cli bench --url "http://127.0.0.1:$PORT" \
+      --workload "$(spec "$w")" --num-requests "$N" --concurrency "$N" --warmup 2 \
+      --output-dir "$OUT/$w/$target" --no-progress 2>&1 | grep -E "ok [0-9]+, failed"
+  done
+  kill -TERM $PID; wait $PID 2>/dev/null
+done
