@@ -53,6 +53,9 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 64])
+    parser.add_argument("--hf-dir", default=None,
+                        help="Hugging Face directory with the same (dequantized) weights; default: "
+                             "transformers loads the GGUF itself")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     from transformers import AutoModelForCausalLM
@@ -61,8 +64,11 @@ def main() -> None:
     from alignedserve.model.default_model import default_model_path
     path = default_model_path()
     llm = LLM(dtype="bfloat16", num_threads=args.threads)
-    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                              dtype=torch.bfloat16).eval()
+    if args.hf_dir:  # plain dense bf16 weights: transformers' fastest path
+        hf = AutoModelForCausalLM.from_pretrained(args.hf_dir, dtype=torch.bfloat16).eval()
+    else:
+        hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                  dtype=torch.bfloat16).eval()
     vocab = llm.engine.loaded.config.vocab_size
     time_ours(llm, prompts(2, vocab), 4)  # warm-up: kernel build, allocator
     results = {}
