@@ -145,6 +145,8 @@ class AsyncEngine:
             log.exception("engine step failed")
             self._fail_all(RuntimeError(f"engine step failed: {exc}"))
             return
+        # One cross-thread wake-up per event loop per step, not one per request.
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
         for out in outputs:
             entry = self._sinks.get(out.request_id)
             if entry is None:
@@ -152,7 +154,9 @@ class AsyncEngine:
             sink, loop = entry
             if out.finished:
                 del self._sinks[out.request_id]
-            loop.call_soon_threadsafe(sink.put_nowait, out)
+            batches.setdefault(loop, []).append((sink, out))
+        for loop, items in batches.items():
+            loop.call_soon_threadsafe(_deliver, items)
 
     def _fail_all(self, exc: Exception) -> None:
         for request_id, (sink, loop) in list(self._sinks.items()):
@@ -162,3 +166,9 @@ class AsyncEngine:
             except RuntimeError:  # the caller's loop is closed
                 pass
         self._sinks.clear()
+
+
+def _deliver(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    """Runs on the caller's event loop: hand each output to its request's stream."""
+    for sink, out in items:
+        sink.put_nowait(out)

@@ -3,6 +3,7 @@
 #   PEERS=/path/to/peers benchmarks/run_side_by_side.sh OUTDIR [WORKLOAD...]
 # PEERS holds start_vllm.sh (port 8101) and start_llamacpp.sh (port 8102), installed as in
 # ../shared/peers/README.md; missing ones are skipped. Targets: env TARGETS (default all).
+# Workloads: varied, uniform (synthetic), conv, code (Azure 2023 traces from TRACE_DIR).
 set -uo pipefail
 OUT=${1:?output dir}; shift
 WORKLOADS=("$@"); [ ${#WORKLOADS[@]} -eq 0 ] && WORKLOADS=(varied uniform)
@@ -11,11 +12,19 @@ PEERS=${PEERS:-/work/peers}
 PY=${PY:-.venv/bin/python}
 N=${N:-64}
 
-spec() {
+TRACE_DIR=${TRACE_DIR:-../shared/workloads}
+# The scheduler issue's trace workload: ~100 requests sampled at random from the trace, lengths
+# halved and capped, replayed at their (compressed) arrival times; TIME_SCALE_* set the load.
+TRACE_ARGS="--trace-dir $TRACE_DIR --num-requests 100 --trace-sample random --length-scale 0.5
+  --max-input-len 3500 --max-output-len 256"
+
+bench_args() {  # workload name -> bench arguments
   case $1 in
-    varied) echo "synthetic:varied:in=64-3072,out=256" ;;
-    uniform) echo "synthetic:fixed:in=512,out=256" ;;
-    *) echo "$1" ;;
+    varied) echo "--workload synthetic:varied:in=64-3072,out=256 --num-requests $N --concurrency $N" ;;
+    uniform) echo "--workload synthetic:fixed:in=512,out=256 --num-requests $N --concurrency $N" ;;
+    conv) echo "--workload azure-conv $TRACE_ARGS --time-scale ${TIME_SCALE_CONV:-90}" ;;
+    code) echo "--workload azure-code $TRACE_ARGS --time-scale ${TIME_SCALE_CODE:-120}" ;;
+    *) echo "--workload $1 --num-requests $N --concurrency $N" ;;
   esac
 }
 
@@ -39,9 +48,9 @@ for target in $TARGETS; do
   if ! start "$target"; then echo "skip $target (did not start)"; kill $PID 2>/dev/null; continue; fi
   for w in "${WORKLOADS[@]}"; do
     echo "== $target / $w ($(date -u +%H:%M:%S), load $(cut -d' ' -f1 /proc/loadavg))"
-    $PY -m alignedserve.entrypoints.cli bench --url "http://127.0.0.1:$PORT" \
-      --workload "$(spec "$w")" --num-requests "$N" --concurrency "$N" --warmup 2 \
-      --output-dir "$OUT/$w/$target" --no-progress 2>&1 | grep -E "ok [0-9]+, failed"
+    # shellcheck disable=SC2046  # bench_args is a word list on purpose
+    $PY -m alignedserve.entrypoints.cli bench --url "http://127.0.0.1:$PORT" $(bench_args "$w") \
+      --warmup 2 --output-dir "$OUT/$w/$target" --no-progress 2>&1 | grep -E "ok [0-9]+, failed"
   done
   kill -TERM $PID; wait $PID 2>/dev/null
 done

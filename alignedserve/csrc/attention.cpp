@@ -752,6 +752,9 @@ std::string compiled_path() {
 }
 
 }  // namespace
+
+void register_fused(pybind11::module_& m);  // fused.cpp: the bf16 elementwise kernels
+
 }  // namespace alignedserve
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -762,4 +765,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("scale"));
   m.def("compiled_path", &alignedserve::compiled_path,
         "'avx512' or 'portable': the instruction path compiled in.");
+  alignedserve::register_fused(m);
 }

@@ -1,4 +1,5 @@
-"""CPU decode-attention kernel: a small C++ extension with a pure-PyTorch reference fallback.
+"""CPU kernels: a small C++ extension (decode attention, and the fused bf16 elementwise ops
+used through ``alignedserve.model.ops``) with pure-PyTorch reference fallbacks.
 
 ``decode_attention`` is the only entry point the engine uses. It calls the compiled kernel
 (``alignedserve/csrc/attention.cpp``) when it is available and supports the inputs, and
@@ -33,7 +34,7 @@ import torch
 log = logging.getLogger(__name__)
 
 _EXT_NAME = "alignedserve_attention"
-_SOURCES = ("attention.cpp",)
+_SOURCES = ("attention.cpp", "fused.cpp")
 _KERNEL_DTYPES = (torch.bfloat16, torch.float32)
 _MAX_HEAD_DIM = 256
 
@@ -103,10 +104,10 @@ def load_kernels() -> ModuleType | None:
         )
     except Exception as exc:  # any build/import failure must degrade, not crash the engine
         # The compiler output sits inside the message; cap it so the log stays readable.
-        log.warning("decode-attention kernel unavailable, using the PyTorch reference "
-                    "(slower): %s", str(exc)[-4000:])
+        log.warning("compiled kernels (decode attention, fused bf16 ops) unavailable, using "
+                    "the PyTorch references (slower): %s", str(exc)[-4000:])
         return None
-    log.info("decode-attention kernel ready in %.1f s (%s, %s)",
+    log.info("compiled kernels ready in %.1f s (%s, %s)",
              time.perf_counter() - start, module.compiled_path(), build_dir)
     return module
 

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from alignedserve.model import ops
 from alignedserve.model.config import ModelConfig
 
 
@@ -93,17 +94,10 @@ def rope_table(config: ModelConfig, device: torch.device | str | None = None) ->
     return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
 
 
-def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate-half RoPE (Hugging Face convention). x: [T, heads, D]; cos, sin: [T, 1, D/2].
-
-    Equal to HF's ``x*cat(cos,cos) + rotate_half(x)*cat(sin,sin)`` with the same rounding,
-    but without materialising the duplicated halves."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-
-
 class RMSNorm(nn.Module):
-    """RMSNorm computed in float32 and cast back before the weight, as HF Llama does."""
+    """RMSNorm computed in float32 and cast back before the weight, as HF Llama does.
+
+    The math lives in `ops` (fused bf16 kernels on CPU, plain PyTorch otherwise)."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -111,9 +105,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        return ops.rms_norm(x, self.weight, self.eps)
+
+    def add_and_norm(self, x: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:
+        """``residual += x`` (maybe in place), then normalise: returns (normed, residual)."""
+        return ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class LlamaAttention(nn.Module):
@@ -133,10 +129,8 @@ class LlamaAttention(nn.Module):
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionBackend) -> Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
-        q = apply_rotary(q.view(t, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rotary(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
+        q, k, v = ops.rotary_qkv(self.qkv_proj(x), cos, sin, self.num_heads,
+                                 self.num_kv_heads, self.head_dim)
         out = attn(self.layer_idx, q, k, v)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
@@ -150,12 +144,17 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm block: h + attn(norm(h)), then h + mlp(norm(h))."""
+    """Pre-norm block: h + attn(norm(h)), then h + mlp(norm(h)).
+
+    The residual stream is threaded through explicitly so that each residual add fuses with
+    the norm after it: a layer takes the previous layer's MLP output ``x`` and the stream
+    ``residual`` (None for the first layer, whose ``x`` is the embedding) and returns its own
+    MLP output and the stream, still to be added.
+    """
 
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
@@ -164,9 +163,15 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
 
-    def forward(self, h: Tensor, cos: Tensor, sin: Tensor, attn: AttentionBackend) -> Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, attn)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, x: Tensor, residual: Tensor | None, cos: Tensor, sin: Tensor,
+                attn: AttentionBackend) -> tuple[Tensor, Tensor]:
+        if residual is None:
+            residual, normed = x, self.input_layernorm(x)
+        else:
+            normed, residual = self.input_layernorm.add_and_norm(x, residual)
+        normed, residual = self.post_attention_layernorm.add_and_norm(
+            self.self_attn(normed, cos, sin, attn), residual)
+        return self.mlp(normed), residual
 
 
 # HF projection name -> (our fused module name, shard name).
@@ -212,16 +217,20 @@ class LlamaForCausalLM(nn.Module):
                 f"and {tuple(positions.shape)}"
             )
         h = self.embed_tokens(input_ids)
-        # One gather for the whole step; every layer reuses it.
-        cos, sin = self.rope_cache[positions].to(h.dtype).unsqueeze(1).chunk(2, dim=-1)
+        # One gather for the whole step; every layer reuses it. cos, sin: [T, head_dim / 2].
+        cos, sin = self.rope_cache[positions].to(h.dtype).chunk(2, dim=-1)
+        residual = None
         for layer in self.layers:
-            h = layer(h, cos, sin, attn)
-        return self.norm(h)
+            h, residual = layer(h, residual, cos, sin, attn)
+        if residual is None:  # a model without layers
+            return self.norm(h)
+        return self.norm.add_and_norm(h, residual)[0]
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """[N, hidden] -> float32 logits [N, vocab]."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if self.lm_head is None:
+            return F.linear(hidden, self.embed_tokens.weight).float()
+        return self.lm_head(hidden).float()
 
     def reset_rotary(self) -> None:
         """Recompute ``rope_cache`` in float32 on the parameters' device (needed after

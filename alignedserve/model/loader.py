@@ -25,6 +25,7 @@ from torch import Tensor
 from alignedserve.model.config import ModelConfig
 from alignedserve.model.default_model import cache_dir, default_model_path
 from alignedserve.model.llama import LlamaForCausalLM
+from alignedserve.model.packed_linear import pack_linears
 
 # Chat-turn terminators that should stop generation even when the tokenizer's eos is
 # something else; only honoured if the tokenizer has them as added (special) tokens.
@@ -86,7 +87,9 @@ def _build_model(
         model = LlamaForCausalLM(config)
     model = model.to(dtype=dtype).to_empty(device=device)
     model.load_weights(weights)
-    return model.eval().requires_grad_(False)
+    model.eval().requires_grad_(False)
+    pack_linears(model)  # bf16 on CPU only; see packed_linear.py
+    return model
 
 
 # ----------------------------------------------------------------- Hugging Face dirs

@@ -1,0 +1,433 @@
+// Fused bf16 elementwise kernels of the Llama block, on CPU: RMSNorm, residual add + RMSNorm,
+// rotary embedding applied in place to the fused qkv rows, and SiLU(gate) * up.
+//
+// Each replaces a chain of PyTorch ops (alignedserve/model/ops.py has the references) that
+// reads and writes [T, width] temporaries several times; here every row is read once and
+// written once. Rows are independent and split over threads with at::parallel_for.
+//
+// Rounding contract: arithmetic is fp32 and the result is rounded to bf16 (round to nearest
+// even, as c10::BFloat16 does) exactly where the PyTorch chain rounds, i.e. after every bf16
+// op, so outputs are bit-identical to the reference, with two caveats:
+//   * RMSNorm's sum of squares is accumulated in the order of ATen's cascade sum as torch
+//     2.x x86 builds run it (8-lane AVX2 kernel, see sum_squares), so it matches bit for bit
+//     there; an ATen that sums in another order moves the fp32 mean by an ulp now and then,
+//     which flips a rare output by one bf16 ulp.
+//   * SiLU's exp is a port of SLEEF's expf_u10 (the one ATen's vectorised exp calls, error
+//     <= 1 ulp). ATen computes row tails (and, with its own thread split, arbitrary spans)
+//     with std::exp instead, as does the portable build here, so a rare output can differ by
+//     one bf16 ulp there.
+// bf16 widening is exact (the bf16 bits are the high half of the fp32). Narrowing uses the
+// integer RNE formula rather than vcvtneps2bf16, which flushes denormals to zero.
+//
+// Products are kept separate from sums on purpose (no FMA contraction: the extension is built
+// with -std=c++20, where GCC leaves fp-contract off; the intrinsics below say mul/add).
+
+// Narrow includes on purpose: <torch/extension.h> alone takes ~30 s to compile.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+// Masked 16-bit loads/stores need AVX512BW+VL on top of AVX512F (every AVX-512 server CPU
+// since Skylake-SP has them); anything else takes the portable path.
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define ALIGNEDSERVE_FUSED_AVX512 1
+#include <immintrin.h>
+#endif
+
+namespace alignedserve {
+namespace {
+
+constexpr int64_t kLanes = 16;
+// Smallest per-thread chunk, in elements: below ~16K elements (~5 us) the fork/join costs
+// more than the second core saves, so small T (decode steps) stays single-threaded.
+constexpr int64_t kGrainElems = 16384;
+
+// SLEEF expf_u10 constants (ln 2 split in two for the exact argument reduction).
+constexpr float kRLn2 = 1.442695040888963407359924681001892137426645954152985934135449406931f;
+constexpr float kL2U = 0.693145751953125f;
+constexpr float kL2L = 1.428606765330187045e-06f;
+
+inline float bf16_to_float(uint16_t b) {
+  const uint32_t bits = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// fp32 bits rounded to nearest even at bit 16 (valid for non-NaN; overflow gives inf).
+inline uint32_t rne_bits(uint32_t bits) { return bits + 0x7FFFu + ((bits >> 16) & 1u); }
+
+inline uint16_t float_to_bf16(float f) {
+  if (std::isnan(f)) return 0x7FC0;  // c10::BFloat16's NaN
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof f);
+  return static_cast<uint16_t>(rne_bits(bits) >> 16);
+}
+
+// ----------------------------------------------------------------------------------------------
+// 16-lane fp32 vector with masked bf16 loads/stores (n < 16 touches only the first n elements,
+// so row tails need no scalar loop). The kernels below are written once against this.
+// ----------------------------------------------------------------------------------------------
+#if defined(ALIGNEDSERVE_FUSED_AVX512)
+
+struct Vec {
+  __m512 r;
+};
+inline __mmask16 lanes(int64_t n) {
+  return n >= kLanes ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1);
+}
+inline Vec vset1(float x) { return {_mm512_set1_ps(x)}; }
+inline Vec vload(const uint16_t* p, int64_t n) {
+  const __m256i raw = _mm256_maskz_loadu_epi16(lanes(n), p);
+  return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16))};
+}
+// fp32 bits whose high half is v rounded to bf16 (nearest even; overflow gives inf).
+// NaN needs no special case here, unlike in float_to_bf16: every NaN these kernels can produce
+// has a zero low half (x86 arithmetic passes an input NaN's payload through, inputs are bf16,
+// and a new NaN is 0xFFC00000), so the bias never carries into its high half. Skipping the
+// check saves two of the seven ops that every rounded value costs.
+inline __m512i rounded_bits(Vec v) {
+  const __m512i bits = _mm512_castps_si512(v.r);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  return _mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7FFF)), lsb);
+}
+// r(v): v rounded to bf16 precision, kept as fp32 for the next op.
+inline Vec vround(Vec v) {
+  return {_mm512_castsi512_ps(_mm512_and_si512(rounded_bits(v), _mm512_set1_epi32(-65536)))};
+}
+inline void vstore(uint16_t* p, Vec v, int64_t n) {
+  const __m512i bf16 = _mm512_srli_epi32(rounded_bits(v), 16);
+  _mm256_mask_storeu_epi16(p, lanes(n), _mm512_cvtepi32_epi16(bf16));
+}
+inline void vstore_f32(float* p, Vec v) { _mm512_storeu_ps(p, v.r); }
+inline Vec operator+(Vec a, Vec b) { return {_mm512_add_ps(a.r, b.r)}; }
+inline Vec operator-(Vec a, Vec b) { return {_mm512_sub_ps(a.r, b.r)}; }
+inline Vec operator*(Vec a, Vec b) { return {_mm512_mul_ps(a.r, b.r)}; }
+inline Vec operator/(Vec a, Vec b) { return {_mm512_div_ps(a.r, b.r)}; }
+inline Vec vneg(Vec a) { return {_mm512_xor_ps(a.r, _mm512_set1_ps(-0.0f))}; }
+
+// exp(x) as SLEEF's xexpf (sleefsimdsp.c, FMA variant) computes it: the same argument
+// reduction and polynomial op for op, so it equals what ATen's Vectorized<float>::exp returns
+// (Sleef_expf16_u10, or Sleef_expf8_u10 at AVX2 width; error <= 1 ulp). Two steps are cheaper
+// than SLEEF's: x is clamped to [-104, 100] up front (SLEEF patches the result to 0 / inf
+// outside that range instead; exp of the bounds gives the same), and u * 2^q is one scalef
+// instead of two multiplies by built powers of two. Checked bit-identical to both SLEEF
+// entry points over all 2^32 fp32 inputs.
+inline Vec vexp(Vec x) {
+  // max/min return their second operand when either is NaN, so NaN passes through.
+  const __m512 lo = _mm512_set1_ps(-104.0f), hi = _mm512_set1_ps(100.0f);
+  const __m512 d = _mm512_min_ps(hi, _mm512_max_ps(lo, x.r));
+  const __m512 q = _mm512_roundscale_ps(_mm512_mul_ps(d, _mm512_set1_ps(kRLn2)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 s = _mm512_fmadd_ps(q, _mm512_set1_ps(-kL2U), d);
+  s = _mm512_fmadd_ps(q, _mm512_set1_ps(-kL2L), s);
+  __m512 u = _mm512_set1_ps(0.000198527617612853646278381f);
+  u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.00139304355252534151077271f));
+  u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.00833336077630519866943359f));
+  u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.0416664853692054748535156f));
+  u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.166666671633720397949219f));
+  u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.5f));
+  u = _mm512_add_ps(_mm512_set1_ps(1.0f), _mm512_fmadd_ps(_mm512_mul_ps(s, s), u, s));
+  return {_mm512_scalef_ps(u, q)};
+}
+
+#else  // portable: plain arrays, auto-vectorised for whatever the target has
+
+struct Vec {
+  float x[kLanes];
+};
+template <typename F>
+inline Vec vmap(F f) {
+  Vec r;
+  for (int64_t i = 0; i < kLanes; ++i) r.x[i] = f(i);
+  return r;
+}
+inline Vec vset1(float v) { return vmap([v](int64_t) { return v; }); }
+inline Vec vload(const uint16_t* p, int64_t n) {
+  return vmap([p, n](int64_t i) { return i < n ? bf16_to_float(p[i]) : 0.0f; });
+}
+inline Vec vround(Vec v) {
+  return vmap([&v](int64_t i) { return bf16_to_float(float_to_bf16(v.x[i])); });
+}
+inline void vstore(uint16_t* p, Vec v, int64_t n) {
+  for (int64_t i = 0; i < std::min(n, kLanes); ++i) p[i] = float_to_bf16(v.x[i]);
+}
+inline void vstore_f32(float* p, Vec v) { std::memcpy(p, v.x, sizeof v.x); }
+inline Vec operator+(Vec a, Vec b) { return vmap([&](int64_t i) { return a.x[i] + b.x[i]; }); }
+inline Vec operator-(Vec a, Vec b) { return vmap([&](int64_t i) { return a.x[i] - b.x[i]; }); }
+inline Vec operator*(Vec a, Vec b) { return vmap([&](int64_t i) { return a.x[i] * b.x[i]; }); }
+inline Vec operator/(Vec a, Vec b) { return vmap([&](int64_t i) { return a.x[i] / b.x[i]; }); }
+inline Vec vneg(Vec a) { return vmap([&](int64_t i) { return -a.x[i]; }); }
+inline Vec vexp(Vec a) { return vmap([&](int64_t i) { return std::exp(a.x[i]); }); }
+
+#endif
+
+// ----------------------------------------------------------------------------------------------
+// Row kernels. `n` is the row width in elements; pointers are to the row's first element.
+// ----------------------------------------------------------------------------------------------
+
+// ATen's utils::CeilLog2 (1 for x <= 2).
+inline int64_t ceil_log2(int64_t x) {
+  if (x <= 2) return 1;
+  return 64 - __builtin_clzll(static_cast<uint64_t>(x - 1));
+}
+
+// ATen's fp32 sum runs 8 lanes wide on x86, AVX-512 CPUs included (its dispatch picks the
+// AVX2 kernel; checked against torch 2.13). The order below depends on that width.
+constexpr int64_t kSumLanes = 8;
+
+// sum(x^2) over the row in fp32, accumulated in exactly the order ATen's cascade sum uses for
+// a contiguous fp32 row (SumKernel.cpp: vectorized_inner_sum -> row_sum -> multi_row_sum), so
+// the mean matches `h.pow(2).mean(-1)` bit for bit. ATen keeps 4 interleaved 8-lane
+// accumulators (8-lane vector 4i+k goes to acc[k]) feeding a 4-level cascade, then adds the
+// leftover vectors to acc[0], folds acc[1..3] into it, adds the scalar tail and finally the 8
+// lanes in order. Here one 16-lane vector holds two of those accumulators: vector 2i covers
+// acc[0] | acc[1] and 2i+1 covers acc[2] | acc[3], so the cascade runs on whole vectors.
+float sum_squares(const uint16_t* x, int64_t n) {
+  constexpr int64_t kLevels = 4;
+  const int64_t nvec = n / kSumLanes;
+  const int64_t rows = nvec / 4;  // ATen's ILP rows: 4 x 8 lanes = two 16-lane vectors
+  const auto square = [x](int64_t v) {
+    const Vec a = vload(x + v * kLanes, kLanes);
+    return a * a;  // ATen materialises pow(2) before summing: no fused multiply-add
+  };
+  const int64_t power = std::max<int64_t>(4, ceil_log2(rows) / kLevels);
+  const int64_t step = int64_t{1} << power;
+  const int64_t mask = step - 1;
+  Vec acc[kLevels][2];
+  for (auto& level : acc) level[0] = level[1] = vset1(0.0f);
+  int64_t i = 0;
+  while (i + step <= rows) {
+    for (int64_t j = 0; j < step; ++j, ++i) {
+      acc[0][0] = acc[0][0] + square(2 * i);
+      acc[0][1] = acc[0][1] + square(2 * i + 1);
+    }
+    for (int64_t j = 1; j < kLevels; ++j) {
+      for (int64_t k = 0; k < 2; ++k) {
+        acc[j][k] = acc[j][k] + acc[j - 1][k];
+        acc[j - 1][k] = vset1(0.0f);
+      }
+      if ((i & (mask << (j * power))) != 0) break;
+    }
+  }
+  for (; i < rows; ++i) {
+    acc[0][0] = acc[0][0] + square(2 * i);
+    acc[0][1] = acc[0][1] + square(2 * i + 1);
+  }
+  for (int64_t j = 1; j < kLevels; ++j) {
+    acc[0][0] = acc[0][0] + acc[j][0];
+    acc[0][1] = acc[0][1] + acc[j][1];
+  }
+  // Back to ATen's four 8-lane accumulators for the short, order-sensitive finish.
+  float part[2 * kLanes];
+  vstore_f32(part, acc[0][0]);
+  vstore_f32(part + kLanes, acc[0][1]);
+  float* acc0 = part;
+  for (int64_t v = rows * 4; v < nvec; ++v) {
+    for (int64_t l = 0; l < kSumLanes; ++l) {
+      const float f = bf16_to_float(x[v * kSumLanes + l]);
+      const float sq = f * f;
+      acc0[l] += sq;
+    }
+  }
+  for (int64_t k = 1; k < 4; ++k) {
+    for (int64_t l = 0; l < kSumLanes; ++l) acc0[l] += part[k * kSumLanes + l];
+  }
+  float total = 0.0f;
+  for (int64_t e = nvec * kSumLanes; e < n; ++e) {
+    const float f = bf16_to_float(x[e]);
+    const float sq = f * f;
+    total += sq;
+  }
+  for (int64_t l = 0; l < kSumLanes; ++l) total += acc0[l];
+  return total;
+}
+
+// out = r(w * r(x * rsqrt(mean(x^2) + eps))).
+void norm_row(const uint16_t* x, const uint16_t* w, uint16_t* out, int64_t n, float eps) {
+  const float mean = sum_squares(x, n) / static_cast<float>(n);
+  const Vec inv = vset1(1.0f / std::sqrt(mean + eps));  // ATen's rsqrt is 1 / sqrt
+  for (int64_t j = 0; j < n; j += kLanes) {
+    const int64_t m = n - j;
+    vstore(out + j, vload(w + j, m) * vround(vload(x + j, m) * inv), m);
+  }
+}
+
+// residual = r(residual + x) in place, then out = norm(residual).
+void add_norm_row(const uint16_t* x, uint16_t* res, const uint16_t* w, uint16_t* out, int64_t n,
+                  float eps) {
+  for (int64_t j = 0; j < n; j += kLanes) {
+    const int64_t m = n - j;
+    vstore(res + j, vload(res + j, m) + vload(x + j, m), m);
+  }
+  norm_row(res, w, out, n, eps);  // the row is in L1 now
+}
+
+// Rotate-half RoPE on `heads` consecutive heads of width 2*half, in place:
+// x1' = r(r(x1*c) - r(x2*s)), x2' = r(r(x2*c) + r(x1*s)).
+void rotary_row(uint16_t* row, const uint16_t* cos, const uint16_t* sin, int64_t heads,
+                int64_t half) {
+  for (int64_t j = 0; j < half; j += kLanes) {
+    const int64_t m = half - j;
+    const Vec c = vload(cos + j, m), s = vload(sin + j, m);
+    for (int64_t h = 0; h < heads; ++h) {
+      uint16_t* p1 = row + 2 * half * h + j;
+      uint16_t* p2 = p1 + half;
+      const Vec x1 = vload(p1, m), x2 = vload(p2, m);
+      vstore(p1, vround(x1 * c) - vround(x2 * s), m);
+      vstore(p2, vround(x2 * c) + vround(x1 * s), m);
+    }
+  }
+}
+
+// out = r(r(g / (1 + exp(-g))) * u) for gate g = row[:n], up u = row[n:2n].
+void silu_mul_row(const uint16_t* gate_up, uint16_t* out, int64_t n) {
+  const Vec one = vset1(1.0f);
+  for (int64_t j = 0; j < n; j += kLanes) {
+    const int64_t m = n - j;
+    const Vec g = vload(gate_up + j, m);
+    const Vec silu = vround(g / (one + vexp(vneg(g))));
+    vstore(out + j, silu * vload(gate_up + n + j, m), m);
+  }
+}
+
+// ----------------------------------------------------------------------------------------------
+// Entry points: checks, then rows split over threads.
+// ----------------------------------------------------------------------------------------------
+
+// Input checks raise ValueError in Python, like attention.cpp's.
+#define FUSED_CHECK(cond, ...) TORCH_CHECK_VALUE(cond, __VA_ARGS__)
+
+// A [rows, width] bf16 CPU matrix with unit column stride (rows may have any stride).
+void check_rows(const char* fn, const char* name, const at::Tensor& t, bool written) {
+  FUSED_CHECK(t.dim() == 2, fn, ": ", name, " must be 2-d, got ", t.sizes());
+  FUSED_CHECK(t.scalar_type() == at::kBFloat16, fn, ": ", name, " must be bfloat16, got ",
+              t.scalar_type());
+  FUSED_CHECK(t.device().is_cpu(), fn, ": ", name, " must be on CPU");
+  FUSED_CHECK(t.size(1) <= 1 || t.stride(1) == 1, fn, ": ", name,
+              " must have a contiguous last dim (strides ", t.strides(), ")");
+  // Rows written in place must not overlap, or two threads would race on them.
+  FUSED_CHECK(!written || t.size(0) <= 1 || t.stride(0) >= t.size(1), fn, ": ", name,
+              " rows overlap (strides ", t.strides(), ")");
+}
+
+void check_weight(const char* fn, const at::Tensor& w, int64_t width) {
+  FUSED_CHECK(w.dim() == 1 && w.size(0) == width, fn, ": weight must be [", width, "], got ",
+              w.sizes());
+  FUSED_CHECK(w.scalar_type() == at::kBFloat16 && w.device().is_cpu(), fn,
+              ": weight must be a bfloat16 CPU tensor");
+  FUSED_CHECK(w.is_contiguous(), fn, ": weight must be contiguous");
+}
+
+int64_t grain_rows(int64_t width) {
+  return std::max<int64_t>(1, kGrainElems / std::max<int64_t>(width, 1));
+}
+
+const uint16_t* row_ptr(const at::Tensor& t) {
+  return static_cast<const uint16_t*>(t.const_data_ptr());
+}
+uint16_t* mut_row_ptr(const at::Tensor& t) { return static_cast<uint16_t*>(t.data_ptr()); }
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_rows("rms_norm", "x", x, false);
+  const int64_t rows = x.size(0), n = x.size(1);
+  check_weight("rms_norm", weight, n);
+  at::Tensor out = at::empty({rows, n}, x.options());
+  const uint16_t* xp = row_ptr(x);
+  const uint16_t* wp = row_ptr(weight);
+  uint16_t* op = mut_row_ptr(out);
+  const int64_t xs = x.stride(0);
+  const float e = static_cast<float>(eps);  // ATen adds a Python float as fp32
+  at::parallel_for(0, rows, grain_rows(n), [&](int64_t lo, int64_t hi) {
+    for (int64_t t = lo; t < hi; ++t) norm_row(xp + t * xs, wp, op + t * n, n, e);
+  });
+  return out;
+}
+
+at::Tensor add_rms_norm(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight,
+                        double eps) {
+  check_rows("add_rms_norm", "x", x, false);
+  check_rows("add_rms_norm", "residual", residual, true);
+  FUSED_CHECK(x.sizes() == residual.sizes(), "add_rms_norm: x ", x.sizes(), " and residual ",
+              residual.sizes(), " differ");
+  const int64_t rows = x.size(0), n = x.size(1);
+  check_weight("add_rms_norm", weight, n);
+  at::Tensor out = at::empty({rows, n}, x.options());
+  const uint16_t* xp = row_ptr(x);
+  uint16_t* rp = mut_row_ptr(residual);
+  const uint16_t* wp = row_ptr(weight);
+  uint16_t* op = mut_row_ptr(out);
+  const int64_t xs = x.stride(0), rs = residual.stride(0);
+  const float e = static_cast<float>(eps);
+  at::parallel_for(0, rows, grain_rows(n), [&](int64_t lo, int64_t hi) {
+    for (int64_t t = lo; t < hi; ++t) {
+      add_norm_row(xp + t * xs, rp + t * rs, wp, op + t * n, n, e);
+    }
+  });
+  return out;
+}
+
+void rotary_qkv_(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                 int64_t num_heads, int64_t num_kv_heads, int64_t head_dim) {
+  check_rows("rotary_qkv_", "qkv", qkv, true);
+  check_rows("rotary_qkv_", "cos", cos, false);
+  check_rows("rotary_qkv_", "sin", sin, false);
+  FUSED_CHECK(num_heads > 0 && num_kv_heads > 0 && head_dim > 0 && head_dim % 2 == 0,
+              "rotary_qkv_: need positive heads and an even head_dim");
+  const int64_t rows = qkv.size(0), half = head_dim / 2;
+  FUSED_CHECK(qkv.size(1) == (num_heads + 2 * num_kv_heads) * head_dim, "rotary_qkv_: qkv ",
+              qkv.sizes(), " is not [T, (", num_heads, " + 2*", num_kv_heads, ") * ", head_dim,
+              "]");
+  FUSED_CHECK(cos.size(0) == rows && cos.size(1) == half && sin.sizes() == cos.sizes(),
+              "rotary_qkv_: cos/sin must be [", rows, ", ", half, "], got ", cos.sizes(), " and ",
+              sin.sizes());
+  uint16_t* qp = mut_row_ptr(qkv);
+  const uint16_t* cp = row_ptr(cos);
+  const uint16_t* sp = row_ptr(sin);
+  const int64_t qs = qkv.stride(0), cs = cos.stride(0), ss = sin.stride(0);
+  const int64_t heads = num_heads + num_kv_heads;  // q then k; v is left alone
+  at::parallel_for(0, rows, grain_rows(heads * head_dim), [&](int64_t lo, int64_t hi) {
+    for (int64_t t = lo; t < hi; ++t) {
+      rotary_row(qp + t * qs, cp + t * cs, sp + t * ss, heads, half);
+    }
+  });
+}
+
+at::Tensor silu_mul(const at::Tensor& gate_up) {
+  check_rows("silu_mul", "gate_up", gate_up, false);
+  FUSED_CHECK(gate_up.size(1) % 2 == 0, "silu_mul: gate_up width ", gate_up.size(1), " is odd");
+  const int64_t rows = gate_up.size(0), n = gate_up.size(1) / 2;
+  at::Tensor out = at::empty({rows, n}, gate_up.options());
+  const uint16_t* gp = row_ptr(gate_up);
+  uint16_t* op = mut_row_ptr(out);
+  const int64_t gs = gate_up.stride(0);
+  at::parallel_for(0, rows, grain_rows(2 * n), [&](int64_t lo, int64_t hi) {
+    for (int64_t t = lo; t < hi; ++t) silu_mul_row(gp + t * gs, op + t * n, n);
+  });
+  return out;
+}
+
+}  // namespace
+
+void register_fused(pybind11::module_& m) {
+  using pybind11::arg;
+  m.def("rms_norm", &rms_norm, "out = r(w * r(x * rsqrt(mean(x^2) + eps))) per row (bf16).",
+        arg("x"), arg("weight"), arg("eps"));
+  m.def("add_rms_norm", &add_rms_norm,
+        "residual = r(residual + x) in place, then return rms_norm(residual) (bf16).", arg("x"),
+        arg("residual"), arg("weight"), arg("eps"));
+  m.def("rotary_qkv_", &rotary_qkv_,
+        "Rotate-half RoPE in place on the q and k heads of each fused qkv row (bf16).",
+        arg("qkv"), arg("cos"), arg("sin"), arg("num_heads"), arg("num_kv_heads"),
+        arg("head_dim"));
+  m.def("silu_mul", &silu_mul, "r(r(silu(gate)) * up) for gate_up = [gate | up] rows (bf16).",
+        arg("gate_up"));
+}
+
+}  // namespace alignedserve
