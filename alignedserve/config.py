@@ -29,6 +29,7 @@ class SchedulerConfig:
     max_inflight: int = 4096  # requests admitted at once (their KV in device or host tiers)
     # KV tokens one host->device link can carry during one step (0: unlimited). With several
     # devices, prefetch that does not fit the compute device's link is staged on a peer device.
+    # When set, it also caps the host-resident part of the pool (see AlignedScheduler).
     prefetch_link_tokens: int = 0
 
 

@@ -27,7 +27,7 @@ def main(run_dir: Path, out_dir: Path) -> None:
             ax.plot(e2e, np.arange(1, len(e2e) + 1) / len(e2e), label=target.name)
         ax.set_xlabel("E2E latency (s)")
         ax.set_ylabel("fraction of requests")
-        ax.set_title(f"{workload.name}: 64 requests, 256 output tokens, 64 concurrent")
+        ax.set_title(f"{workload.name}: E2E latency of every request")
         ax.legend()
         ax.grid(alpha=0.3)
         fig.tight_layout()

@@ -43,6 +43,33 @@ def test_deep_pool_holds_more_in_flight_than_the_device():
     assert sched.store.used(HOST) == 0 and sched.store.used("dev0") == 0
 
 
+def _peak_kv_beyond_device(link: int) -> tuple[int, list]:
+    sched, ex = build("aligned", dev_tokens=1300, host_tokens=100_000, kv_reserve_tokens=16,
+                      max_num_seqs=8, prefetch_link_tokens=link, max_wait_steps=4)
+    reqs = [make_request(f"r{i}", 150 + 7 * i, 30) for i in range(40)]
+    for r in reqs:
+        sched.add_request(r)
+    peak = 0
+
+    def observe(plan):
+        nonlocal peak
+        peak = max(peak, sched.store.used("dev0") + sched.store.used(HOST) - 1300)
+    run_to_completion(sched, ex, on_step=observe)
+    assert all(len(r.output_token_ids) == 30 for r in reqs)
+    assert sched.store.used(HOST) == 0 and sched.store.used("dev0") == 0
+    return peak, reqs
+
+
+@pytest.mark.parametrize("link", [50, 200])
+def test_host_pool_is_capped_by_what_the_link_rotates_in_one_waiting_bound(link):
+    # A slow link: in-flight KV beyond the device stays within link * max_wait_steps tokens
+    # at admission (requests still grow by their 30 output tokens after it), nothing is lost.
+    capped, _ = _peak_kv_beyond_device(link)
+    uncapped, _ = _peak_kv_beyond_device(0)
+    assert capped <= link * 4 + 40 * 30
+    assert capped < uncapped / 2
+
+
 def test_prefetch_starts_copies_one_step_before_use():
     sched, ex = build("aligned", dev_tokens=1300, host_tokens=100_000, kv_reserve_tokens=16,
                       max_num_seqs=8)

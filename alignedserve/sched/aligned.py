@@ -22,6 +22,13 @@ device's host link is used up for a step (``prefetch_link_tokens``), the next co
 host -> peer device over the peer's own link, then peer -> compute device over the peer link
 (GPU-Prefetch-For-GPU); peers are also where evicted cohorts park before the host.
 
+Copy-aware pool: with a finite link budget (``prefetch_link_tokens`` > 0) the KV parked on the
+host is capped at ``prefetch_link_tokens * max_wait_steps`` tokens, the KV the link can rotate
+through the device within one waiting bound. Beyond that, fairness would demand more traffic
+than prefetch can hide and steps would wait on copies (the simulator measured 82-93% of time
+in copies for a 7B model on PCIe without the cap); new requests wait in the queue instead.
+With an unlimited link (0, the default, e.g. on CPU where both tiers are RAM) there is no cap.
+
 Waiting bound: when device KV can hold the prefilling requests plus any one cohort and the host
 can take the rest, a ready cohort waits at most ``max_wait_steps + C`` steps, C being the number
 of cohorts in flight (starving cohorts go first, oldest first, and at least one runs per step).
@@ -197,7 +204,23 @@ class AlignedScheduler(BaseScheduler):
         if not self.waiting or self.num_inflight() >= self.config.max_inflight:
             return 0
         need = self.store.round_up(self.initial_capacity(self.waiting[0]))
-        return need if need <= self.store.free(self.host) else 0
+        return need if self._host_can_take(need) else 0
+
+    def _host_can_take(self, tokens: int) -> bool:
+        """Whether the pool may grow by ``tokens`` of KV that push others out to the host."""
+        return tokens <= self.store.free(self.host) and self._within_pool_cap(tokens)
+
+    def _within_pool_cap(self, tokens: int) -> bool:
+        """The copy-aware cap: with a finite link, in-flight KV beyond what the device tiers
+        hold stays within ``prefetch_link_tokens * max_wait_steps`` after adding ``tokens``.
+        Counted over all tiers at admission, so swaps and growth cannot open a way around it."""
+        link = self.config.prefetch_link_tokens
+        if link <= 0:
+            return True
+        tiers = (*self.store.device_tiers, self.host)
+        beyond = (sum(self.store.used(t) for t in tiers)
+                  - sum(self.store.total(t) for t in self.store.device_tiers))
+        return beyond + tokens <= link * self.config.max_wait_steps
 
     def _kv_tokens(self, cohort: Cohort) -> int:
         return sum(self.store.capacity_of(r.kv) for r in cohort.requests)
@@ -226,7 +249,9 @@ class AlignedScheduler(BaseScheduler):
             return True
         victims = [c for c in self.cohorts.values() if c.tier == self.device
                    and c.moving_to is None and all(c is not p for p in protected)]
-        victims.sort(key=lambda c: -c.last_run_step)  # the just-run go last again: evict them
+        # Smallest first (least traffic: a whole cohort moves), then the just-run (they go
+        # last again in the order anyway).
+        victims.sort(key=lambda c: (self._kv_tokens(c), -c.last_run_step))
         for victim in victims:
             kv = self._kv_tokens(victim)
             # a peer device is a closer parking place than the host, when one has room
@@ -300,8 +325,11 @@ class AlignedScheduler(BaseScheduler):
         while self.waiting and budget > 0 and self.num_inflight() < self.config.max_inflight:
             request = self.waiting[0]
             capacity = self.initial_capacity(request)
+            need = self.store.round_up(capacity)
+            if not self._within_pool_cap(need) and (self.prefilling or self.cohorts):
+                return
             handle = self.store.allocate(self.device, capacity)
-            if handle is None and self._make_room(self.store.round_up(capacity), chosen):
+            if handle is None and self._host_can_take(need) and self._make_room(need, chosen):
                 handle = self.store.allocate(self.device, capacity)
             if handle is None:
                 if not self.prefilling and not self.cohorts:

@@ -90,8 +90,8 @@ class SimConfig:
 
     def scheduler_config(self) -> SchedulerConfig:
         tokens = self.prefetch_link_tokens
-        if tokens is None:
-            tokens = self.link_tokens_per_step() if self.devices_per_replica > 1 else 0
+        if tokens is None:  # a real link has a finite budget: it also caps the host pool
+            tokens = self.link_tokens_per_step()
         return dataclasses.replace(self.scheduler, prefetch_link_tokens=tokens)
 
     def link_tokens_per_step(self) -> int:
