@@ -39,7 +39,10 @@ def huge_page_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor
         return torch.empty(shape, dtype=dtype)
     buf = mmap.mmap(-1, -(-nbytes // HUGE_PAGE) * HUGE_PAGE,
                     flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    buf.madvise(mmap.MADV_HUGEPAGE)  # advice only: without THP this is plain memory
+    try:
+        buf.madvise(mmap.MADV_HUGEPAGE)  # advice only: without THP this is plain memory
+    except OSError:  # a kernel built without THP rejects the advice; the mapping still works
+        pass
     return torch.frombuffer(buf, dtype=dtype, count=numel).view(shape)
 
 
