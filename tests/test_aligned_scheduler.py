@@ -25,47 +25,38 @@ def test_decode_batches_respect_the_tolerance_and_stay_aligned():
     assert spreads and max(spreads) <= 2
 
 
+def _run_pool(**cfg) -> tuple[int, int]:
+    """40 requests of 150-430 tokens on a device that holds ~6 of them and a large host tier.
+    Checks nothing is lost; returns the peaks of (requests in flight, KV tokens beyond the
+    device)."""
+    sched, ex = build("aligned", dev_tokens=1300, host_tokens=100_000, kv_reserve_tokens=16,
+                      max_num_seqs=8, **cfg)
+    reqs = [make_request(f"r{i}", 150 + 7 * i, 30) for i in range(40)]
+    for r in reqs:
+        sched.add_request(r)
+    inflight = beyond = 0
+
+    def observe(plan):
+        nonlocal inflight, beyond
+        inflight = max(inflight, sched.num_inflight())
+        beyond = max(beyond, sched.store.used("dev0") + sched.store.used(HOST) - 1300)
+    run_to_completion(sched, ex, on_step=observe)
+    assert all(len(r.output_token_ids) == 30 for r in reqs)
+    assert sched.store.used(HOST) == 0 and sched.store.used("dev0") == 0
+    return inflight, beyond
+
+
 def test_deep_pool_holds_more_in_flight_than_the_device():
-    # device holds ~6 requests of 200 tokens; host holds far more
-    sched, ex = build("aligned", dev_tokens=1300, host_tokens=100_000, kv_reserve_tokens=16,
-                      max_num_seqs=8)
-    reqs = [make_request(f"r{i}", 150 + 7 * i, 30) for i in range(40)]
-    for r in reqs:
-        sched.add_request(r)
-    peak = 0
-
-    def observe(plan):
-        nonlocal peak
-        peak = max(peak, sched.num_inflight())
-    run_to_completion(sched, ex, on_step=observe)
-    assert peak > 8  # more in flight than the device alone could hold
-    assert all(len(r.output_token_ids) == 30 for r in reqs)
-    assert sched.store.used(HOST) == 0 and sched.store.used("dev0") == 0
-
-
-def _peak_kv_beyond_device(link: int) -> tuple[int, list]:
-    sched, ex = build("aligned", dev_tokens=1300, host_tokens=100_000, kv_reserve_tokens=16,
-                      max_num_seqs=8, prefetch_link_tokens=link, max_wait_steps=4)
-    reqs = [make_request(f"r{i}", 150 + 7 * i, 30) for i in range(40)]
-    for r in reqs:
-        sched.add_request(r)
-    peak = 0
-
-    def observe(plan):
-        nonlocal peak
-        peak = max(peak, sched.store.used("dev0") + sched.store.used(HOST) - 1300)
-    run_to_completion(sched, ex, on_step=observe)
-    assert all(len(r.output_token_ids) == 30 for r in reqs)
-    assert sched.store.used(HOST) == 0 and sched.store.used("dev0") == 0
-    return peak, reqs
+    inflight, _ = _run_pool()
+    assert inflight > 8  # more in flight than the device alone could hold
 
 
 @pytest.mark.parametrize("link", [50, 200])
 def test_host_pool_is_capped_by_what_the_link_rotates_in_one_waiting_bound(link):
     # A slow link: in-flight KV beyond the device stays within link * max_wait_steps tokens
     # at admission (requests still grow by their 30 output tokens after it), nothing is lost.
-    capped, _ = _peak_kv_beyond_device(link)
-    uncapped, _ = _peak_kv_beyond_device(0)
+    _, capped = _run_pool(prefetch_link_tokens=link, max_wait_steps=4)
+    _, uncapped = _run_pool(max_wait_steps=4)
     assert capped <= link * 4 + 40 * 30
     assert capped < uncapped / 2
 

@@ -180,24 +180,25 @@ def test_kernel_rejects_bad_shapes(kernel):
 
 # --- reference paths --------------------------------------------------------------------------
 
-def run_all(dtype: torch.dtype) -> list[torch.Tensor]:
-    """Every op through the dispatcher on fresh inputs of `dtype`, plus those inputs."""
+def _inputs(dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """Fresh, seeded inputs of every op: x, w, residual, qkv, cos, sin, gate_up."""
     x, w = rand(9, HIDDEN, seed=23, dtype=dtype), rand(HIDDEN, seed=24, dtype=dtype)
     residual = rand(9, HIDDEN, seed=25, dtype=dtype)
     qkv = rand(9, QKV, seed=26, dtype=dtype)
     cos, sin = (t.to(dtype) for t in rope(9, seed=27))
-    gate_up = rand(9, 2 * INTERMEDIATE, seed=28, dtype=dtype)
+    return x, w, residual, qkv, cos, sin, rand(9, 2 * INTERMEDIATE, seed=28, dtype=dtype)
+
+
+def run_all(dtype: torch.dtype) -> list[torch.Tensor]:
+    """Every op through the dispatcher on fresh inputs of `dtype`, plus those inputs."""
+    x, w, residual, qkv, cos, sin, gate_up = _inputs(dtype)
     return [ops.rms_norm(x, w, EPS), *ops.add_rms_norm(x, residual, w, EPS),
             *ops.rotary_qkv(qkv, cos, sin, HEADS, KV_HEADS, HEAD_DIM), ops.silu_mul(gate_up),
             residual, qkv]
 
 
 def run_references(dtype: torch.dtype) -> list[torch.Tensor]:
-    x, w = rand(9, HIDDEN, seed=23, dtype=dtype), rand(HIDDEN, seed=24, dtype=dtype)
-    residual = rand(9, HIDDEN, seed=25, dtype=dtype)
-    qkv = rand(9, QKV, seed=26, dtype=dtype)
-    cos, sin = (t.to(dtype) for t in rope(9, seed=27))
-    gate_up = rand(9, 2 * INTERMEDIATE, seed=28, dtype=dtype)
+    x, w, residual, qkv, cos, sin, gate_up = _inputs(dtype)
     return [ops.rms_norm_reference(x, w, EPS), *ops.add_rms_norm_reference(x, residual, w, EPS),
             *ops.rotary_qkv_reference(qkv, cos, sin, HEADS, KV_HEADS, HEAD_DIM),
             ops.silu_mul_reference(gate_up), residual, qkv]
