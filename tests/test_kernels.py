@@ -204,17 +204,3 @@ def test_empty_batch(ext: ModuleType) -> None:
     kv = torch.empty(0, 2, 64)
     out = decode_attention(q, kv, kv, [], torch.empty(0, dtype=torch.int64), 0, 0.125)
     assert out.shape == (0, 4, 64)
-
-
-def test_huge_page_kv_tensors_are_ordinary_writable_tensors() -> None:
-    from alignedserve.executor.kv_pool import HUGE_PAGE_MIN_BYTES, huge_page_tensor
-
-    big = huge_page_tensor((4, 2, 3, HUGE_PAGE_MIN_BYTES // (4 * 2 * 3 * 64 * 2), 64),
-                           torch.bfloat16)
-    small = huge_page_tensor((2, 2, 1, 8, 64), torch.float32)
-    for t in (big, small):
-        t.fill_(1.5)
-        assert t.is_contiguous() and float(t.float().mean()) == 1.5
-    view = big[:, :, :, :3]  # a view keeps the mapping alive after the tensor is dropped
-    del big
-    assert float(view.float().sum()) == 1.5 * view.numel()

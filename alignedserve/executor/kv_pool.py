@@ -9,8 +9,6 @@ stream, or a background thread on CPU, where both tiers are RAM but the copy is 
 
 from __future__ import annotations
 
-import math
-import mmap
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -18,32 +16,6 @@ from dataclasses import dataclass
 import torch
 
 from alignedserve.kv.store import KVHandle, KVOp, KVOpKind
-
-
-HUGE_PAGE = 2 << 20
-HUGE_PAGE_MIN_BYTES = 8 << 20  # smaller tensors would waste too much to rounding
-
-
-def huge_page_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialised CPU tensor, backed by transparent huge pages where Linux allows.
-
-    The decode kernel streams every row's KV each step (~1 GB for 64 rows of ~900 tokens);
-    with 4 KiB pages that is a TLB miss every 4 KiB. Measured on the 2-core VM: 30 layers of
-    decode attention over 64 such rows took 72 ms on huge pages against 76-83 ms. The memory
-    is an anonymous mapping (rounded up to 2 MiB) owned by the tensor's storage, so it is
-    returned to the OS when the last view of the tensor goes away.
-    """
-    numel = math.prod(shape)
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
-    if nbytes < HUGE_PAGE_MIN_BYTES or not hasattr(mmap, "MADV_HUGEPAGE"):
-        return torch.empty(shape, dtype=dtype)
-    buf = mmap.mmap(-1, -(-nbytes // HUGE_PAGE) * HUGE_PAGE,
-                    flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    try:
-        buf.madvise(mmap.MADV_HUGEPAGE)  # advice only: without THP this is plain memory
-    except OSError:  # a kernel built without THP rejects the advice; the mapping still works
-        pass
-    return torch.frombuffer(buf, dtype=dtype, count=numel).view(shape)
 
 
 @dataclass(slots=True)
@@ -68,12 +40,9 @@ class KVPool:
 
     def _empty(self, tier: str, capacity: int) -> torch.Tensor:
         layers, two, heads, dim = self.shape
-        shape = (layers, two, heads, capacity, dim)
-        device = self.tier_devices[tier]
-        if device.type == "cpu" and self._cuda_stream is None:
-            return huge_page_tensor(shape, self.dtype)
-        pin = device.type == "cpu"  # host tier of a CUDA engine: pinned for async copies
-        return torch.empty(shape, dtype=self.dtype, device=device, pin_memory=pin)
+        pin = self.tier_devices[tier].type == "cpu" and self._cuda_stream is not None
+        return torch.empty((layers, two, heads, capacity, dim), dtype=self.dtype,
+                           device=self.tier_devices[tier], pin_memory=pin)
 
     def get(self, handle: KVHandle) -> torch.Tensor:
         return self._tensors[handle]
