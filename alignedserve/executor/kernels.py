@@ -1,7 +1,8 @@
 """CPU kernels: a small C++ extension (decode attention, and the fused bf16 elementwise ops
 used through ``alignedserve.model.ops``) with pure-PyTorch reference fallbacks.
 
-``decode_attention`` is the only entry point the engine uses. It calls the compiled kernel
+``decode_attention`` is this module's entry point for attention (the fused ops are reached
+through ``alignedserve.model.ops``). It calls the compiled kernel
 (``alignedserve/csrc/attention.cpp``) when it is available and supports the inputs, and
 otherwise ``decode_attention_reference``, which has the same semantics. Both:
 

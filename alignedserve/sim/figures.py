@@ -92,24 +92,30 @@ def _figure(rows: int, cols: int, size: tuple[float, float]) -> Any:
     return fig, fig.subplots(rows, cols, squeeze=False)
 
 
+def _throughput_bars(ax: Any, sel: list[Row], workload: str, axis_key: str,
+                     categories: list[str]) -> None:
+    """One group of bars per category (``row[axis_key]``), one bar per system, of a workload."""
+    systems = list(dict.fromkeys(r["system"] for r in sel))
+    width = 0.8 / len(systems)
+    for i, system in enumerate(systems):
+        vals = [next((r["output_tok_s"] for r in sel if r["workload"] == workload and
+                      r["system"] == system and r[axis_key] == c), 0) for c in categories]
+        ax.bar([j + i * width for j in range(len(categories))], vals, width, label=system)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(categories))], categories)
+    ax.grid(alpha=0.3, axis="y")
+
+
 def kernels_figure(rows: list[Row], path: Path) -> bool:
     sel = [r for r in rows if r["experiment"] == "kernels"]
     if not sel:
         return False
     fig, axes = _figure(1, 2, (13, 4.5))
     kernels = sorted({r["kernel"] for r in sel}, key=["padded", "per-seq", "split-kv"].index)
-    systems = list(dict.fromkeys(r["system"] for r in sel))
-    width = 0.8 / len(systems)
     for ax, wl in zip(axes[0], ("varied", "uniform")):
-        for i, system in enumerate(systems):
-            vals = [next((r["output_tok_s"] for r in sel if r["workload"] == wl and
-                          r["system"] == system and r["kernel"] == k), 0) for k in kernels]
-            ax.bar([j + i * width for j in range(len(kernels))], vals, width, label=system)
-        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(kernels))], kernels)
+        _throughput_bars(ax, sel, wl, "kernel", kernels)
         ax.set_xlabel("decode-attention kernel model")
         ax.set_ylabel("output tokens/s")
         ax.set_title(f"{wl}: Llama-2-7B, 1x H100, all requests at t=0")
-        ax.grid(alpha=0.3, axis="y")
     axes[0][0].legend(fontsize="small")
     fig.savefig(path, dpi=110)
     return True
@@ -120,19 +126,12 @@ def nodes_figure(rows: list[Row], path: Path) -> bool:
     if not sel:
         return False
     nodes = list(dict.fromkeys(r["node"] for r in sel))
-    systems = list(dict.fromkeys(r["system"] for r in sel))
     fig, axes = _figure(1, 2, (13, 4.5))
-    width = 0.8 / len(systems)
     for ax, wl in zip(axes[0], ("varied", "uniform")):
-        for i, system in enumerate(systems):
-            vals = [next((r["output_tok_s"] for r in sel if r["workload"] == wl and
-                          r["system"] == system and r["node"] == n), 0) for n in nodes]
-            ax.bar([j + i * width for j in range(len(nodes))], vals, width, label=system)
-        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(nodes))],
-                      [n.replace(":dp", "").replace(":", " x") for n in nodes])
+        _throughput_bars(ax, sel, wl, "node", nodes)
+        ax.set_xticks(ax.get_xticks(), [n.replace(":dp", "").replace(":", " x") for n in nodes])
         ax.set_ylabel("output tokens/s (node)")
         ax.set_title(f"{wl}: Llama-2-7B, data-parallel replicas")
-        ax.grid(alpha=0.3, axis="y")
     axes[0][0].legend(fontsize="small")
     fig.savefig(path, dpi=110)
     return True
