@@ -51,6 +51,9 @@ class CacheConfig:
 class EngineConfig:
     model: str | None = None
     dtype: str = "bfloat16"
+    # KV cache element type: "auto" (the model dtype) or "fp8_e5m2" (8-bit, half the KV bytes;
+    # values rounded to e5m2, no scales: e5m2 keeps fp16's exponent range).
+    kv_cache_dtype: str = "auto"
     device: str | None = None  # None: cuda when available, else cpu
     num_threads: int | None = None
     policy: str = "aligned"

@@ -37,7 +37,7 @@ class _Sequence:
     request: Request
     detok: IncrementalDetokenizer
     stop_reason: str | int | None = None
-    cumulative_logprob: float = 0.0
+    cumulative_logprob: float | None = None  # summed only when logprobs were requested
 
 
 @dataclass(slots=True)
@@ -47,6 +47,20 @@ class _Group:
     prompt_token_ids: list[int]
     seqs: list[_Sequence]
     arrival_time: float
+
+
+KV_CACHE_DTYPES = {"fp8_e5m2": torch.float8_e5m2, "fp8": torch.float8_e5m2}
+
+
+def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's element type: ``auto`` is the model dtype."""
+    if name == "auto":
+        return model_dtype
+    try:
+        return KV_CACHE_DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unknown kv_cache_dtype {name!r}; choose auto or one of "
+                         f"{sorted(KV_CACHE_DTYPES)}") from None
 
 
 def resolve_dtype(name: str) -> torch.dtype:
@@ -69,13 +83,14 @@ class LLMEngine:
         self.tokenizer = self.loaded.tokenizer
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings,
                                  mc.max_position_embeddings)
-        elem = torch.empty((), dtype=self.dtype).element_size()
+        self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
+        elem = torch.empty((), dtype=self.kv_dtype).element_size()
         cache = config.cache
         self.store = KVStore.for_devices(cache.device_bytes(), cache.host_bytes(),
                                          mc.kv_bytes_per_token(elem), cache.granularity)
         tier_devices = {t: self._tier_device(i) for i, t in enumerate(self.store.device_tiers)}
         tier_devices[HOST] = torch.device("cpu")
-        pool = KVPool(tier_devices, mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype)
+        pool = KVPool(tier_devices, mc.num_layers, mc.num_kv_heads, mc.head_dim, self.kv_dtype)
         self.executor = ModelExecutor(self.loaded, pool, self.device, config.seed)
         self.scheduler = make_scheduler(config.policy, config.scheduler, self.store)
         self.stats = StepStats()
@@ -174,8 +189,10 @@ class LLMEngine:
                 continue
             seq = next(s for s in group.seqs if s.request is request)
             new = request.output_token_ids[len(seq.detok.token_ids):]
-            for i, token in enumerate(new, start=len(seq.detok.token_ids)):
-                seq.cumulative_logprob += request.output_logprobs[i].get(token, 0.0)
+            if request.params.logprobs is not None:
+                start = len(seq.detok.token_ids)
+                seq.cumulative_logprob = (seq.cumulative_logprob or 0.0) + sum(
+                    request.output_logprobs[i].get(t, 0.0) for i, t in enumerate(new, start))
             matched = seq.detok.add(new)
             if matched is not None:
                 seq.stop_reason = matched

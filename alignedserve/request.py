@@ -38,6 +38,7 @@ class Request:
     max_model_len: int = 2048
     arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
+    # One {token_id: logprob} per output token, kept only when params.logprobs is set.
     output_logprobs: list[dict[int, float]] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None

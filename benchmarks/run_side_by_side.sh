@@ -2,7 +2,8 @@
 # Side-by-side run: our policies and the peer engines, one server at a time, same client.
 #   PEERS=/path/to/peers benchmarks/run_side_by_side.sh OUTDIR [WORKLOAD...]
 # PEERS holds start_vllm.sh (port 8101) and start_llamacpp.sh (port 8102), installed as in
-# ../shared/peers/README.md; missing ones are skipped. Targets: env TARGETS (default all).
+# ../shared/peers/README.md; missing ones are skipped. Targets: env TARGETS (default all); a
+# target NAME-fp8 (aligned-fp8, vllm-fp8, ...) runs NAME with an fp8 e5m2 KV cache.
 # Workloads: varied, uniform (synthetic), conv, code (Azure 2023 traces from TRACE_DIR).
 set -uo pipefail
 OUT=${1:?output dir}; shift
@@ -29,11 +30,13 @@ bench_args() {  # workload name -> bench arguments
 }
 
 start() {  # target -> sets PID and PORT
-  case $1 in
-    vllm) PORT=8101; "$PEERS/start_vllm.sh" > "$OUT/$1.log" 2>&1 & PID=$! ;;
+  local engine=${1%-fp8} kv=()
+  [[ $1 == *-fp8 ]] && kv=(--kv-cache-dtype fp8_e5m2)
+  case $engine in
+    vllm) PORT=8101; "$PEERS/start_vllm.sh" "${kv[@]}" > "$OUT/$1.log" 2>&1 & PID=$! ;;
     llamacpp) PORT=8102; "$PEERS/start_llamacpp.sh" --no-cache-prompt > "$OUT/$1.log" 2>&1 & PID=$! ;;
-    *) PORT=8100; $PY -m alignedserve.entrypoints.cli serve --port 8100 --policy "$1" \
-         --no-access-log > "$OUT/$1.log" 2>&1 & PID=$! ;;
+    *) PORT=8100; $PY -m alignedserve.entrypoints.cli serve --port 8100 --policy "$engine" \
+         "${kv[@]}" --no-access-log > "$OUT/$1.log" 2>&1 & PID=$! ;;
   esac
   for _ in $(seq 600); do
     curl -sf "http://127.0.0.1:$PORT/v1/models" > /dev/null && return 0

@@ -7,7 +7,7 @@ import argparse
 import json
 from pathlib import Path
 
-ORDER = ("aligned", "fcfs", "static", "vllm", "llamacpp")
+ORDER = ("aligned", "aligned-fp8", "fcfs", "static", "vllm", "vllm-fp8", "llamacpp")
 
 
 def row(target: str, run: dict, base: dict | None) -> str:

@@ -1,16 +1,19 @@
 """bfloat16 closeness: the engine's greedy tokens are ones float32 transformers also rates top.
 
+Run with the bf16 KV cache and with the 8-bit (fp8 e5m2) one, whose rounding of K/V costs
+more, so its bounds are looser.
+
 Exact tokens cannot be expected in bf16, so for each step we teacher-force our bf16 sequence
 through transformers in float32 and check (a) our chosen token's logprob is within
-``LOGPROB_TOL`` nats of the best float32 logprob at that step (it was a top choice, or a
-near-tie), and (b) the logprob the engine reports for it is within ``REPORT_TOL`` of
+a tolerance (``TOLERANCES``) of the best float32 logprob at that step (it was a top choice, or a
+near-tie), and (b) the logprob the engine reports for it is within a second tolerance of
 float32's for the same token.
 """
 
 import pytest
 import torch
 
-from alignedserve.config import EngineConfig
+from alignedserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from alignedserve.engine import LLMEngine
 from alignedserve.sampling_params import SamplingParams
 from tests.test_engine_parity import document
@@ -20,17 +23,23 @@ pytestmark = pytest.mark.model
 # Observed on the default model (2026-11-30): largest gap 0.04 nats, largest logprob
 # difference 0.095; the bounds leave room for other prompts without hiding a real bug
 # (a wrong token or a broken layer moves these by whole nats).
-LOGPROB_TOL = 0.25  # nats below float32's best token at the same step
-REPORT_TOL = 0.25  # |reported bf16 logprob - float32 logprob| of the chosen token
+# The fp8 e5m2 cache (2 mantissa bits, no scales) observed: one near-tie flip of 0.33 nats in
+# 64 tokens, reported logprobs off by up to 0.64 (mean 0.03-0.15; largest on the 16-token
+# prompt, where few keys average the rounding out). The gap bound still catches a broken path.
+# kv_cache_dtype -> (nats below float32's best token at the same step,
+#                    |reported logprob - float32 logprob| of the chosen token)
+TOLERANCES = {"auto": (0.25, 0.25), "fp8_e5m2": (0.6, 1.0)}
 NEW = 16
 
 
 @torch.inference_mode()
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e5m2"])
 def test_bf16_greedy_is_close_to_float32(default_model_path, default_model_fp32,
-                                          default_model_hf_fp32):
+                                          default_model_hf_fp32, kv_cache_dtype):
     doc = document(default_model_fp32.tokenizer)
     prompts = [doc[:16], doc[40:240], doc[100:800]]
-    engine = LLMEngine(EngineConfig(dtype="bfloat16", policy="aligned"))
+    engine = LLMEngine(EngineConfig(dtype="bfloat16", kv_cache_dtype=kv_cache_dtype,
+                                    policy="aligned"))
     params = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True, logprobs=0)
     for i, p in enumerate(prompts):
         engine.add_request(str(i), p, params)
@@ -40,6 +49,7 @@ def test_bf16_greedy_is_close_to_float32(default_model_path, default_model_fp32,
             if out.finished:
                 outs[out.request_id] = out.outputs[0]
     engine.close()
+    logprob_tol, report_tol = TOLERANCES[kv_cache_dtype]
     for i, prompt in enumerate(prompts):
         tokens = outs[str(i)].token_ids
         reported = [lp[t] for lp, t in zip(outs[str(i)].logprobs, tokens)]
@@ -47,6 +57,36 @@ def test_bf16_greedy_is_close_to_float32(default_model_path, default_model_fp32,
         logp = torch.log_softmax(logits[len(prompt) - 1:-1], dim=-1)
         for step, token in enumerate(tokens):
             gap = (logp[step].max() - logp[step, token]).item()
-            assert gap <= LOGPROB_TOL, f"prompt {i} step {step}: {gap:.3f} nats below best"
+            assert gap <= logprob_tol, f"prompt {i} step {step}: {gap:.3f} nats below best"
             diff = abs(reported[step] - logp[step, token].item())
-            assert diff <= REPORT_TOL, f"prompt {i} step {step}: logprob off by {diff:.3f}"
+            assert diff <= report_tol, f"prompt {i} step {step}: logprob off by {diff:.3f}"
+
+
+@torch.inference_mode()
+def test_fp8_cache_survives_write_back_and_prefetch(default_model_fp32):
+    """Tier moves copy the 8-bit cache exactly: a device tier too small for all requests (so KV
+    is written back to host and prefetched again) gives the same greedy tokens as a large one."""
+    doc = document(default_model_fp32.tokenizer)
+    prompts = [doc[:16], doc[40:240], doc[100:800], doc[900:1300]]
+
+    def run(device_kv_gb: float) -> tuple[list[list[int]], int]:
+        engine = LLMEngine(EngineConfig(
+            dtype="bfloat16", kv_cache_dtype="fp8_e5m2", policy="aligned",
+            scheduler=SchedulerConfig(max_num_batched_tokens=256, kv_reserve_tokens=32),
+            cache=CacheConfig(device_kv_gb=device_kv_gb, host_kv_gb=1.0)))
+        params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+        for i, p in enumerate(prompts):
+            engine.add_request(str(i), p, params)
+        outs, copied = {}, 0
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.finished:
+                    outs[out.request_id] = out.outputs[0].token_ids
+            copied += engine.stats.window[-1].copy_bytes
+        engine.close()
+        return [outs[str(i)] for i in range(len(prompts))], copied
+
+    ample, ample_copies = run(2.0)
+    tight, tight_copies = run(0.012)  # ~1,100 tokens of fp8 KV: not all four fit at once
+    assert ample_copies == 0 and tight_copies > 0
+    assert tight == ample

@@ -39,16 +39,23 @@ def draw_many(logits_row: torch.Tensor, n: int, sampler_seed: int = 0, **params)
 # --- greedy -----------------------------------------------------------------------------------
 
 
-def test_greedy_is_argmax_with_raw_logprobs():
+def test_greedy_is_argmax_without_logprobs_unless_asked():
     logits = random_logits(40, 1000)
     before = logits.clone()
     out = Sampler(seed=0)(logits, [row(temperature=0.0) for _ in range(40)])
     assert isinstance(out, SampleResult)
     assert out.token_ids == logits.argmax(-1).tolist()
-    expected = torch.log_softmax(logits, -1).gather(1, logits.argmax(-1, keepdim=True)).squeeze(1)
-    assert torch.allclose(torch.tensor(out.logprobs), expected, atol=1e-5)
+    assert out.logprobs == [None] * 40  # the fast path skips the logsumexp
     assert out.top_logprobs == [None] * 40
     assert torch.equal(logits, before)
+
+
+def test_greedy_with_logprobs_reports_raw_logprobs():
+    logits = random_logits(40, 1000)
+    out = Sampler(seed=0)(logits, [row(temperature=0.0, logprobs=0) for _ in range(40)])
+    assert out.token_ids == logits.argmax(-1).tolist()
+    expected = torch.log_softmax(logits, -1).gather(1, logits.argmax(-1, keepdim=True)).squeeze(1)
+    assert torch.allclose(torch.tensor(out.logprobs), expected, atol=1e-5)
 
 
 def test_empty_batch_and_shape_check():

@@ -27,9 +27,11 @@ class LLM:
                  policy: str = "aligned", seed: int | None = None, max_model_len: int | None = None,
                  num_threads: int | None = None, device_kv_gb: float = 4.0,
                  host_kv_gb: float = 8.0, max_num_seqs: int = 256,
-                 max_num_batched_tokens: int = 1024, align_tolerance: int = 2, loaded=None):
+                 max_num_batched_tokens: int = 1024, align_tolerance: int = 2,
+                 kv_cache_dtype: str = "auto", loaded=None):
         config = EngineConfig(
-            model=model, dtype=dtype, device=device, num_threads=num_threads, policy=policy,
+            model=model, dtype=dtype, kv_cache_dtype=kv_cache_dtype, device=device,
+            num_threads=num_threads, policy=policy,
             seed=seed, max_model_len=max_model_len,
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
                                       max_num_batched_tokens=max_num_batched_tokens,

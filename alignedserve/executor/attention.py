@@ -62,8 +62,11 @@ class StepAttention:
         k_cache, v_cache = seg.cache[layer, 0], seg.cache[layer, 1]  # [kv_heads, cap, dim]
         k_cache[:, seg.start:stop].copy_(k.transpose(0, 1))
         v_cache[:, seg.start:stop].copy_(v.transpose(0, 1))
+        # Attend over what the cache holds (an 8-bit cache is widened to q's dtype), so prefill
+        # and decode see the same K/V values.
+        keys, values = k_cache[:, :stop].to(q.dtype), v_cache[:, :stop].to(q.dtype)
         o = F.scaled_dot_product_attention(
-            q.transpose(0, 1).unsqueeze(0), k_cache[:, :stop].unsqueeze(0),
-            v_cache[:, :stop].unsqueeze(0), attn_mask=mask, is_causal=mask is None,
+            q.transpose(0, 1).unsqueeze(0), keys.unsqueeze(0),
+            values.unsqueeze(0), attn_mask=mask, is_causal=mask is None,
             scale=self.scale, enable_gqa=True)
         return o.squeeze(0).transpose(0, 1)

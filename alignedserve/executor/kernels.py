@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 
 _EXT_NAME = "alignedserve_attention"
 _SOURCES = ("attention.cpp", "fused.cpp")
-_KERNEL_DTYPES = (torch.bfloat16, torch.float32)
+_KERNEL_DTYPES = (torch.bfloat16, torch.float32, torch.float8_e5m2)
 _MAX_HEAD_DIM = 256
 
 

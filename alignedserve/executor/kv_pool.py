@@ -24,6 +24,14 @@ class _PendingMove:
     done: Future | torch.cuda.Event
 
 
+def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """The copier thread's work. Inference mode is per thread, and the tensors may have been
+    made under it (a caller stepping the engine inside ``torch.inference_mode()``): an in-place
+    copy into such a tensor is only allowed under inference mode too."""
+    with torch.inference_mode():
+        dst.copy_(src)
+
+
 class KVPool:
     """Handle id -> tensor, kept in sync with the store by ``apply``."""
 
@@ -83,7 +91,7 @@ class KVPool:
                 event.record()
             self._moves[op.handle] = _PendingMove(dst, event)
         else:
-            self._moves[op.handle] = _PendingMove(dst, self._copier.submit(dst.copy_, src))
+            self._moves[op.handle] = _PendingMove(dst, self._copier.submit(_copy, dst, src))
         return src.numel() * src.element_size()
 
     def _end_move(self, handle: KVHandle) -> float:

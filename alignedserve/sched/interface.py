@@ -131,8 +131,6 @@ class BaseScheduler:
             top = dict(token.top_logprobs or {})
             top[token.token_id] = token.logprob
             request.output_logprobs.append(top)
-        else:
-            request.output_logprobs.append({token.token_id: token.logprob})
         if request.first_token_time is None:
             request.first_token_time = self.clock()
         reason = request.stop_reason_after_append()

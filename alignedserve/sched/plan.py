@@ -70,7 +70,7 @@ class StepPlan:
 @dataclass(frozen=True, slots=True)
 class SampledToken:
     token_id: int
-    logprob: float
+    logprob: float | None  # None on the plain-greedy path (no row asked for logprobs)
     top_logprobs: dict[int, float] | None = None
 
 

@@ -1,0 +1,132 @@
+"""Throughput ceiling of this machine for a synthetic workload, from measured rates.
+
+Measures, on this machine and with the threads torch is given:
+  * read bandwidth: a float32 sum over 1 GiB (best of several; torch's reduction is
+    vectorised and threaded, and matches a hand-written AVX-512 read loop here);
+  * bf16 linear time of the model's layer shapes at prefill (4096 rows) and decode (64 rows);
+  * bf16 causal SDPA throughput (useful FLOPs/s) at a 2048-token prompt.
+Then prices the workload as if every step ran at those rates with nothing else:
+  prefill  = prompt tokens x linear time per token + causal attention FLOPs / SDPA rate
+  decode   = steps x (decode linears + LM head at 64 rows) + KV bytes read / bandwidth
+where each decode token reads its request's whole KV (layers x 2 x kv_heads x head_dim
+elements). The sum is a floor on wall time (no scheduling, no sampling, no Python), so
+``output tokens / floor`` is a ceiling on output tok/s. ``--kv-bytes 1`` prices an 8-bit KV.
+
+Usage: python benchmarks/roofline.py [--workload varied|uniform] [--threads 2] [--kv-bytes 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from alignedserve.bench.workloads import synthetic
+from alignedserve.model.config import ModelConfig
+from alignedserve.model.default_model import default_model_path
+from alignedserve.model.loader import _gguf_config
+
+WORKLOADS = {
+    "varied": "synthetic:varied:in=64-3072,out=256",
+    "uniform": "synthetic:fixed:in=512,out=256",
+}
+
+
+def best_time(fn, repeats: int = 5) -> float:
+    """Fastest of ``repeats`` timed calls after one warm-up call (seconds)."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def read_bandwidth() -> float:
+    """Bytes/s of a threaded float32 sum over 1 GiB."""
+    x = torch.ones(2**28)
+    return x.numel() * 4 / best_time(x.sum)
+
+
+def layer_shapes(c: ModelConfig) -> list[tuple[int, int]]:
+    """(in, out) features of one decoder layer's linears, fused as the engine runs them."""
+    qkv = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+    return [(c.hidden_size, qkv), (c.num_heads * c.head_dim, c.hidden_size),
+            (c.hidden_size, 2 * c.intermediate_size), (c.intermediate_size, c.hidden_size)]
+
+
+def linear_time(rows: int, shapes: list[tuple[int, int]]) -> float:
+    """Seconds for one pass of bf16 linears over ``rows`` rows."""
+    total = 0.0
+    for k, n in shapes:
+        a = torch.randn(rows, k, dtype=torch.bfloat16)
+        w = torch.randn(n, k, dtype=torch.bfloat16)
+        total += best_time(lambda: F.linear(a, w))
+    return total
+
+
+def sdpa_rate(c: ModelConfig, tokens: int = 2048) -> float:
+    """Useful FLOPs/s of causal bf16 SDPA (GQA) over one ``tokens``-long prompt."""
+    q = torch.randn(1, c.num_heads, tokens, c.head_dim, dtype=torch.bfloat16)
+    kv = torch.randn(1, c.num_kv_heads, tokens, c.head_dim, dtype=torch.bfloat16)
+    seconds = best_time(lambda: F.scaled_dot_product_attention(q, kv, kv, is_causal=True,
+                                                               enable_gqa=True), repeats=3)
+    return causal_flops(c, tokens) / c.num_layers / seconds
+
+
+def causal_flops(c: ModelConfig, tokens: int) -> float:
+    """QK^T and PV FLOPs of causal attention over a prompt, all layers."""
+    return 4.0 * c.num_heads * c.head_dim * (tokens * (tokens + 1) / 2) * c.num_layers
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--workload", choices=sorted(WORKLOADS), nargs="+",
+                        default=sorted(WORKLOADS))
+    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--kv-bytes", type=float, nargs="+", default=[2.0],
+                        help="bytes per cached K/V element (2: bf16, 1: fp8)")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    from gguf import GGUFReader  # the default model's shapes, without loading weights
+
+    c = _gguf_config(GGUFReader(str(default_model_path())))
+    shapes = layer_shapes(c)
+    bw = read_bandwidth()
+    prefill_per_token = linear_time(4096, shapes) * c.num_layers / 4096
+    decode_rows = args.num_requests
+    decode_step = (linear_time(decode_rows, shapes) * c.num_layers
+                   + linear_time(decode_rows, [(c.hidden_size, c.vocab_size)]))
+    attn_rate = sdpa_rate(c)
+    print(f"measured: read {bw / 1e9:.1f} GB/s; prefill linears {prefill_per_token * 1e6:.1f} "
+          f"us/token; decode linears+head at {decode_rows} rows {decode_step * 1e3:.1f} ms/step; "
+          f"causal SDPA {attn_rate / 1e9:.0f} GFLOP/s")
+
+    for name in args.workload:
+        wl = synthetic(WORKLOADS[name], args.num_requests, args.seed)
+        prompts = np.array([r.prompt_len for r in wl.requests], dtype=np.float64)
+        outputs = np.array([r.output_len for r in wl.requests], dtype=np.float64)
+        prefill = prompts.sum() * prefill_per_token + sum(
+            causal_flops(c, int(p)) for p in prompts) / attn_rate
+        # Decode token j (0-based) of a request reads prompt + j cached tokens.
+        kv_reads = float((outputs * prompts + outputs * (outputs - 1) / 2).sum())
+        steps = outputs.max()
+        for kv_bytes in args.kv_bytes:
+            kv_token_bytes = c.num_layers * 2 * c.num_kv_heads * c.head_dim * kv_bytes
+            kv_time = kv_reads * kv_token_bytes / bw
+            floor = prefill + steps * decode_step + kv_time
+            print(f"{name} (KV {kv_bytes:g} B/elem): prefill {prefill:.1f} s, decode linears "
+                  f"{steps * decode_step:.1f} s, KV reads {kv_reads * kv_token_bytes / 1e9:.0f} GB "
+                  f"= {kv_time:.1f} s; floor {floor:.1f} s -> ceiling "
+                  f"{outputs.sum() / floor:.0f} output tok/s")
+
+
+if __name__ == "__main__":
+    main()
