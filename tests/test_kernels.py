@@ -214,3 +214,22 @@ def test_empty_batch(ext: ModuleType) -> None:
     kv = torch.empty(0, 2, 64)
     out = decode_attention(q, kv, kv, [], torch.empty(0, dtype=torch.int64), 0, 0.125)
     assert out.shape == (0, 4, 64)
+
+
+def test_the_interpreters_own_ninja_goes_first_on_path(monkeypatch: pytest.MonkeyPatch,
+                                                       tmp_path) -> None:
+    """Another ninja earlier on PATH must not build: two ninja versions rebuild each other's
+    objects (their .ninja_log command hashes differ), ~30 s per switch."""
+    import shutil
+    import sys
+    from pathlib import Path
+
+    own = Path(sys.executable).parent / "ninja"
+    if not own.exists():
+        pytest.skip("no ninja installed next to this interpreter")
+    other = tmp_path / "ninja"
+    other.write_text("#!/bin/sh\nexit 1\n")
+    other.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}/usr/bin")
+    kernels._ensure_ninja_on_path()
+    assert shutil.which("ninja") == str(own)

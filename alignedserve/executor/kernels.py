@@ -70,13 +70,18 @@ def _machine_tag() -> str:
 
 
 def _ensure_ninja_on_path() -> None:
-    """Let torch find the ``ninja`` that pip installed next to this interpreter.
+    """Make torch use the ``ninja`` that pip installed next to this interpreter, if any.
 
-    A venv's console scripts run without the venv's bin dir on PATH, and torch looks ninja up
-    on PATH only; without it every build fails. Side effect: PATH gains that one directory.
+    torch looks ninja up on PATH only, and a venv's console scripts run without the venv's bin
+    dir on PATH: without it a build fails where no other ninja exists, and where one does
+    (e.g. /usr/bin/ninja 1.11 beside the venv's 1.13) the two versions hash commands
+    differently in the build dir's .ninja_log, so each one sees the other's build as stale and
+    every switch between an activated and a plain launch rebuilt the extension (~30 s in the
+    first step). Side effect: that one directory goes first on PATH.
     """
     bin_dir = Path(sys.executable).parent
-    if shutil.which("ninja") is None and (bin_dir / "ninja").exists():
+    own = bin_dir / "ninja"
+    if own.exists() and Path(shutil.which("ninja") or "") != own:
         os.environ["PATH"] = f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"
 
 
