@@ -84,10 +84,10 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings,
                                  mc.max_position_embeddings)
         self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
-        elem = torch.empty((), dtype=self.kv_dtype).element_size()
         cache = config.cache
         self.store = KVStore.for_devices(cache.device_bytes(), cache.host_bytes(),
-                                         mc.kv_bytes_per_token(elem), cache.granularity)
+                                         mc.kv_bytes_per_token(self.kv_dtype.itemsize),
+                                         cache.granularity)
         tier_devices = {t: self._tier_device(i) for i, t in enumerate(self.store.device_tiers)}
         tier_devices[HOST] = torch.device("cpu")
         pool = KVPool(tier_devices, mc.num_layers, mc.num_kv_heads, mc.head_dim, self.kv_dtype)

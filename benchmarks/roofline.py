@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from alignedserve.bench.workloads import synthetic
 from alignedserve.model.config import ModelConfig
 from alignedserve.model.default_model import default_model_path
-from alignedserve.model.loader import _gguf_config
+from alignedserve.model.loader import read_gguf_config
 
 WORKLOADS = {
     "varied": "synthetic:varied:in=64-3072,out=256",
@@ -95,9 +95,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    from gguf import GGUFReader  # the default model's shapes, without loading weights
-
-    c = _gguf_config(GGUFReader(str(default_model_path())))
+    c = read_gguf_config(default_model_path())  # the default model's shapes, no weights
     shapes = layer_shapes(c)
     bw = read_bandwidth()
     prefill_per_token = linear_time(4096, shapes) * c.num_layers / 4096

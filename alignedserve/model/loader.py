@@ -167,6 +167,13 @@ def _field(reader: Any, key: str, default: Any = _REQUIRED) -> Any:
     return field.contents()
 
 
+def read_gguf_config(path: Path) -> ModelConfig:
+    """The ModelConfig of a GGUF file, from its metadata only (no weights are read)."""
+    import gguf
+
+    return _gguf_config(gguf.GGUFReader(str(path)))
+
+
 def _gguf_config(reader: Any) -> ModelConfig:
     """Translate llama.cpp metadata (``{arch}.*`` keys) into a ModelConfig."""
     arch = _field(reader, "general.architecture")
