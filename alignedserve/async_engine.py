@@ -1,6 +1,11 @@
 """AsyncEngine: an asyncio front for the synchronous LLMEngine, for the HTTP server.
 
-The engine runs in one background thread that owns it exclusively. Callers on the event loop
+The engine is built and run in one background thread that owns it exclusively: every torch
+operation of the model happens on that thread. (OpenMP keeps a worker pool per thread that
+starts parallel regions; with a second pool alive, libgomp counts more threads than CPUs and stops
+spinning between regions, so each region starts by waking sleeping workers. Building in one
+thread and stepping in another cost 17% of decode throughput on 2 cores; docs/architecture.md.)
+Callers on the event loop
 submit commands (add, abort) through a thread-safe queue; the engine thread applies them
 between steps and hands each RequestOutput back to the caller's asyncio.Queue with
 ``call_soon_threadsafe``. Every accepted request ends with a finished output or an exception
@@ -14,7 +19,7 @@ import itertools
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from alignedserve.engine import LLMEngine
@@ -47,16 +52,26 @@ class _Abort:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, max_pending: int = 4096):
-        self.engine = engine
+    def __init__(self, make_engine: Callable[[], LLMEngine], max_pending: int = 4096):
+        """Build the engine with ``make_engine`` on the engine thread and start serving.
+
+        Blocks until the engine is built; an exception from ``make_engine`` is raised here.
+        """
         self.max_pending = max_pending
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._sinks: dict[str, tuple[asyncio.Queue, asyncio.AbstractEventLoop]] = {}
         self._pending = 0  # accepted and not yet finished (touched only on the event loop)
         self._ids = itertools.count()
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._built: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, args=(make_engine,), name="engine",
+                                        daemon=True)
         self._thread.start()
+        built = self._built.get()
+        if isinstance(built, BaseException):
+            self._thread.join()
+            raise built
+        self.engine: LLMEngine = built
 
     @property
     def is_running(self) -> bool:
@@ -105,7 +120,13 @@ class AsyncEngine:
         self._thread.join(timeout)
 
     # ---- engine thread ----------------------------------------------------------------------
-    def _run(self) -> None:
+    def _run(self, make_engine: Callable[[], LLMEngine]) -> None:
+        try:
+            self.engine = make_engine()
+        except BaseException as exc:  # handed to the constructor, which raises it
+            self._built.put(exc)
+            return
+        self._built.put(self.engine)
         while not self._stop.is_set():
             idle = not self.engine.has_unfinished()
             self._apply_commands(block=idle)

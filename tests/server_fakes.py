@@ -273,7 +273,7 @@ def fake_app(settings_overrides: dict | None = None, **engine_kwargs):
     engine = FakeEngine(**engine_kwargs)
     settings = ServerSettings(**{"model_names": ("fake-model",), "max_inflight": 512,
                                  **(settings_overrides or {})})
-    async_engine = AsyncEngine(engine, max_pending=settings.max_inflight)
+    async_engine = AsyncEngine(lambda: engine, max_pending=settings.max_inflight)
     return build_app(async_engine, settings), engine, async_engine
 
 

@@ -30,6 +30,7 @@ from alignedserve.entrypoints.openai_format import DeltaTracker
 from alignedserve.entrypoints.openai_prepare import ModelInfo, sampling_params
 from alignedserve.entrypoints.openai_protocol import ChatCompletionRequest, CompletionRequest
 from alignedserve.outputs import CompletionOutput
+from alignedserve.sampling_params import SamplingParams
 from tests.server_fakes import GREEDY_TEXT, FakeEngine, fake_app, idle_kv_bytes, live_server
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -619,3 +620,33 @@ def _healthy(url: str) -> bool:
         return httpx.get(f"{url}/health", timeout=1).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+def test_async_engine_builds_and_steps_on_one_thread():
+    """All of the model's torch work must run on the engine thread (a second OpenMP pool makes
+    libgomp stop spinning in every pool): the engine is built there, and a build failure is
+    raised to the caller."""
+    from alignedserve.async_engine import AsyncEngine
+
+    threads: list[str] = []
+
+    def make() -> FakeEngine:
+        threads.append(threading.current_thread().name)
+        return FakeEngine()
+
+    async_engine = AsyncEngine(make)
+    try:
+        assert threads == ["engine"] and async_engine.is_running
+
+        async def run() -> list:
+            params = SamplingParams(max_tokens=4, ignore_eos=True)
+            return [out async for out in async_engine.generate("r", [5, 6, 7], params)]
+        outputs = asyncio.run(run())
+        assert outputs[-1].finished
+    finally:
+        async_engine.shutdown()
+
+    def broken() -> FakeEngine:
+        raise ValueError("no such model")
+    with pytest.raises(ValueError, match="no such model"):
+        AsyncEngine(broken)

@@ -170,18 +170,20 @@ def _serve(args: argparse.Namespace) -> int:
     if args.max_queue < 0 or args.max_body_bytes < 1 or args.shutdown_grace < 0:
         raise ValueError("--max-queue, --max-body-bytes and --shutdown-grace must be positive")
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    engine = LLMEngine(engine_config_from_args(args))
-    names = tuple(args.served_model_name or [args.model or engine.loaded.name])
+    config = engine_config_from_args(args)
+    max_inflight = args.max_num_seqs + args.max_queue
+    # The engine thread builds the engine, so one thread does all of the model's torch work.
+    # The engine's own bound counts requests; ours counts sequences (>= requests), so the
+    # server's 503 always comes first and the engine never refuses what we admitted.
+    async_engine = AsyncEngine(lambda: LLMEngine(config), max_pending=max_inflight)
+    names = tuple(args.served_model_name or [args.model or async_engine.engine.loaded.name])
     settings = ServerSettings(
         model_names=names, api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
-        max_inflight=args.max_num_seqs + args.max_queue, max_body_bytes=args.max_body_bytes,
+        max_inflight=max_inflight, max_body_bytes=args.max_body_bytes,
         shutdown_grace_s=args.shutdown_grace)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not settings.api_key:
         log.warning("serving on %s without an API key: anyone who can reach it can use it",
                     args.host)
-    # The engine's own bound counts requests; ours counts sequences (>= requests), so the
-    # server's 503 always comes first and the engine never refuses what we admitted.
-    async_engine = AsyncEngine(engine, max_pending=settings.max_inflight)
     app = build_app(async_engine, settings)
     serve_app(app, args.host, args.port, args.log_level, args.access_log)
     return 0

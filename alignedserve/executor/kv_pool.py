@@ -13,6 +13,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from alignedserve.kv.store import KVHandle, KVOp, KVOpKind
@@ -25,11 +26,18 @@ class _PendingMove:
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """The copier thread's work. Inference mode is per thread, and the tensors may have been
-    made under it (a caller stepping the engine inside ``torch.inference_mode()``): an in-place
-    copy into such a tensor is only allowed under inference mode too."""
-    with torch.inference_mode():
-        dst.copy_(src)
+    """The copier thread's work: a single-threaded byte copy (numpy, GIL released).
+
+    Not ``dst.copy_(src)``: a torch copy this large starts an OpenMP region, and the copier
+    thread would get a worker pool of its own; with more OpenMP threads than CPUs libgomp stops
+    spinning between regions in every pool, which slows the engine thread's step (see
+    ``alignedserve.async_engine``). Both tensors are contiguous caches of the same dtype.
+    """
+    np.copyto(_bytes(dst), _bytes(src))
+
+
+def _bytes(t: torch.Tensor) -> np.ndarray:
+    return t.detach().view(torch.uint8).numpy()
 
 
 class KVPool:
