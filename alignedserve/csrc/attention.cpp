@@ -839,7 +839,8 @@ std::string compiled_path() {
 
 }  // namespace
 
-void register_fused(pybind11::module_& m);  // fused.cpp: the bf16 elementwise kernels
+void register_fused(pybind11::module_& m);    // fused.cpp: the bf16 elementwise kernels
+void register_prefill(pybind11::module_& m);  // prefill_attention.cpp: AMX prefill attention
 
 }  // namespace alignedserve
 
@@ -852,4 +853,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("compiled_path", &alignedserve::compiled_path,
         "'avx512' or 'portable': the instruction path compiled in.");
   alignedserve::register_fused(m);
+  alignedserve::register_prefill(m);
 }

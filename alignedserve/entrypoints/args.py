@@ -25,7 +25,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--device-kv-gb", type=float, default=4.0, help="KV budget per device (GiB)")
     g.add_argument("--host-kv-gb", type=float, default=8.0, help="KV budget in host RAM (GiB)")
     g.add_argument("--max-num-seqs", type=int, default=256, help="max requests running at once")
-    g.add_argument("--max-num-batched-tokens", type=int, default=1024,
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048,
                    help="per-step token budget (prefills are chunked to fit)")
     g.add_argument("--align-tolerance", type=int, default=2,
                    help="max KV-length difference inside an aligned decode batch")

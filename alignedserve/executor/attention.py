@@ -1,8 +1,9 @@
 """The attention backend of one engine step, over per-request KV tensors.
 
 The step's tokens are flattened as: every prefill chunk (in plan order), then every decode
-row. Linear layers run once over all of them; attention runs per prefill chunk (dense SDPA
-over that request's cache, causal) and over all decode rows at once (one kernel call that
+row. Linear layers run once over all of them; attention runs per prefill chunk (over that
+request's cache, causal: the AMX kernel of ``kernels.prefill_attention`` where it applies,
+torch's SDPA otherwise) and over all decode rows at once (one kernel call that
 appends each row's new K/V and attends over exactly that row's length: no padding).
 """
 
@@ -13,7 +14,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from alignedserve.executor.kernels import decode_attention
+from alignedserve.executor.kernels import (decode_attention, prefill_attention,
+                                           prefill_kernel_applies)
 
 
 @dataclass(slots=True)
@@ -32,7 +34,8 @@ class StepAttention:
         self.decode_caches = decode_caches
         self.decode_positions = decode_positions
         self.scale = scale
-        self._masks: list[torch.Tensor | None] | None = None  # built at the first layer
+        # Per prefill chunk, built at the first layer: True (AMX kernel) or SDPA's mask.
+        self._plans: list[bool | torch.Tensor | None] | None = None
 
     @staticmethod
     def _mask(seg: PrefillSegment, dtype: torch.dtype) -> torch.Tensor | None:
@@ -48,13 +51,13 @@ class StepAttention:
         return mask.masked_fill_(cols > rows, float("-inf")).to(seg.cache.device)
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        if self._masks is None:
-            self._masks = [self._mask(s, q.dtype) for s in self.prefills]
+        if self._plans is None:
+            self._plans = [self._plan(s, q) for s in self.prefills]
         out = torch.empty_like(q)
         offset = 0
-        for seg, mask in zip(self.prefills, self._masks):
+        for seg, plan in zip(self.prefills, self._plans):
             end = offset + seg.num_tokens
-            out[offset:end] = self._prefill(seg, mask, layer, q[offset:end], k[offset:end],
+            out[offset:end] = self._prefill(seg, plan, layer, q[offset:end], k[offset:end],
                                             v[offset:end])
             offset = end
         if self.decode_caches:
@@ -62,7 +65,12 @@ class StepAttention:
                                             self.decode_positions, layer, self.scale)
         return out
 
-    def _prefill(self, seg: PrefillSegment, mask: torch.Tensor | None, layer: int,
+    def _plan(self, seg: PrefillSegment, q: torch.Tensor) -> bool | torch.Tensor | None:
+        if prefill_kernel_applies(q, seg.num_tokens, seg.start + seg.num_tokens):
+            return True
+        return self._mask(seg, q.dtype)
+
+    def _prefill(self, seg: PrefillSegment, plan: bool | torch.Tensor | None, layer: int,
                  q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         stop = seg.start + seg.num_tokens
         k_cache, v_cache = seg.cache[layer, 0], seg.cache[layer, 1]  # [kv_heads, cap, dim]
@@ -71,6 +79,9 @@ class StepAttention:
         # Attend over what the cache holds (an 8-bit cache is widened to q's dtype), so prefill
         # and decode see the same K/V values.
         keys, values = k_cache[:, :stop].to(q.dtype), v_cache[:, :stop].to(q.dtype)
+        if plan is True:
+            return prefill_attention(q, keys, values, seg.start, self.scale)
+        mask = plan
         o = F.scaled_dot_product_attention(
             q.transpose(0, 1).unsqueeze(0), keys.unsqueeze(0),
             values.unsqueeze(0), attn_mask=mask, is_causal=mask is None,

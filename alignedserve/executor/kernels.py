@@ -35,7 +35,7 @@ import torch
 log = logging.getLogger(__name__)
 
 _EXT_NAME = "alignedserve_attention"
-_SOURCES = ("attention.cpp", "fused.cpp")
+_SOURCES = ("attention.cpp", "fused.cpp", "prefill_attention.cpp")
 _KERNEL_DTYPES = (torch.bfloat16, torch.float32, torch.float8_e5m2)
 _MAX_HEAD_DIM = 256
 
@@ -187,3 +187,31 @@ def decode_attention_reference(q: torch.Tensor, k_new: torch.Tensor, v_new: torc
         probs = torch.softmax(torch.matmul(qg, k.transpose(1, 2)) * scale, dim=-1)
         out[b] = torch.matmul(probs, v).reshape(heads, dim).to(q.dtype)
     return out
+
+
+# Below this much work (query tokens x keys) torch's SDPA is as fast: the kernel's per-call
+# set-up (V transposed, per-thread buffers) dominates. Measured crossover ~65k-130k.
+_MIN_PREFILL_KERNEL_WORK = 1 << 17
+
+
+def prefill_kernel_applies(q: torch.Tensor, num_tokens: int, num_keys: int) -> bool:
+    """Whether ``prefill_attention`` takes a chunk of ``num_tokens`` queries over
+    ``num_keys`` keys: a build and CPU with AMX-BF16, bf16, head_dim % 32 == 0, enough work."""
+    dim = q.shape[-1]
+    if (kernels_disabled() or q.dtype != torch.bfloat16 or q.device.type != "cpu"
+            or dim % 32 or dim > _MAX_HEAD_DIM
+            or num_tokens * num_keys < _MIN_PREFILL_KERNEL_WORK):
+        return False
+    module = load_kernels()
+    return module is not None and module.prefill_attention_available()
+
+
+def prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int,
+                      scale: float) -> torch.Tensor:
+    """Causal attention of prefill queries ``q`` [T, H, D] (absolute positions start..start+T-1)
+    over ``keys`` / ``values`` [KVH, start + T, D] on the AMX kernel
+    (``alignedserve/csrc/prefill_attention.cpp``); same semantics as SDPA with a bottom-right
+    causal mask and GQA. Call only where ``prefill_kernel_applies``."""
+    module = load_kernels()
+    assert module is not None, "prefill_attention without prefill_kernel_applies"
+    return module.prefill_attention(q, keys, values, start, scale)

@@ -1,0 +1,426 @@
+// Prefill attention on Intel AMX: a chunk of queries attends causally over a bf16 KV cache.
+//
+// Contract (checked in prefill_attention below):
+//   q     : [T, H, D] bf16, heads dense within a token row (stride(0) free); query i sits at
+//           absolute position start + i.
+//   k, v  : [KVH, S, D] bf16 with S == start + T, token rows dense (stride(2) == 1,
+//           stride(1) == D; stride(0) free, so a layer slice of a request's cache works).
+//   out   : [T, H, D] bf16 = softmax(scale * q.k) . v over keys 0..start+i of kv head
+//           h / (H / KVH). Scores, softmax and the accumulators are fp32; the probabilities are
+//           rounded to bf16 for the P.V product, as torch's CPU flash attention does.
+//   D % 32 == 0, D <= 256, H % KVH == 0.
+//
+// Layout: the kernel computes S^T = K . Q^T, so K rows load straight from the cache as AMX A
+// tiles and each of the 16 query columns of a score tile is one fp32 lane; the online softmax
+// (running max, sum, rescale) is then lane-wise vector code over token rows. P.V is computed as
+// O^T = V^T . P^T: V is transposed once per call (zero-padded to whole 32-token blocks) and
+// P^T is packed into the pair-interleaved ("VNNI") layout AMX takes for its B operand.
+//
+// Work item: (kv head, block of 16 query positions) with all H / KVH query heads of the group,
+// so the group reuses each K/V block while it is hot. Items are pulled from an atomic counter,
+// latest positions (most keys) first.
+//
+// Built only where the compiler targets AMX-BF16 (-march=native on Sapphire Rapids and later);
+// elsewhere prefill_attention_available() is false and callers use torch's SDPA.
+
+// Narrow includes on purpose: <torch/extension.h> alone takes ~30 s to compile.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && \
+    defined(__AVX512BW__)
+#define ALIGNEDSERVE_AMX 1
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+namespace alignedserve {
+namespace {
+
+#ifdef ALIGNEDSERVE_AMX
+
+constexpr int kQ = 16;  // queries per tile: one fp32 lane each
+constexpr int kT = 32;  // tokens per kv block: the bf16 depth of one AMX product
+constexpr float kLog2e = 1.4426950408889634f;
+
+// Linux grants the AMX tile state per process, on request (ARCH_REQ_XCOMP_PERM for
+// XFEATURE_XTILEDATA); without it the first tile instruction faults.
+bool amx_permitted() {
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return ok;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Eight tiles of 16 rows x 64 bytes; block_scores and block_values say how they are used.
+void configure_tiles() {
+  TileConfig cfg;
+  for (int i = 0; i < 8; ++i) {
+    cfg.rows[i] = 16;
+    cfg.colsb[i] = 64;
+  }
+  // GCC's _tile_loadconfig tells the compiler it reads only 8 bytes of the config, so without
+  // this barrier the other stores may be sunk past ldtilecfg (which then faults).
+  asm volatile("" ::: "memory");
+  _tile_loadconfig(&cfg);
+}
+
+// 2^x for x <= 0 (scores minus their running max): degree-6 Taylor polynomial of e^(f ln2) on
+// f in [-0.5, 0.5], ~1e-7 relative error, far below the bf16 rounding of P.
+inline __m512 exp2_nonpos(__m512 x) {
+  const __m512 xc = _mm512_max_ps(x, _mm512_set1_ps(-150.0f));  // -inf (masked) -> ~0
+  const __m512 n = _mm512_roundscale_ps(xc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(xc, n);  // in [-0.5, 0.5]
+  constexpr float c1 = 0.6931471805599453f, c2 = c1 * c1 / 2, c3 = c2 * c1 / 3,
+                  c4 = c3 * c1 / 4, c5 = c4 * c1 / 5, c6 = c5 * c1 / 6;
+  __m512 p = _mm512_set1_ps(c6);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c5));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c4));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c3));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c2));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c1));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+inline uint16_t to_bf16(float x) {  // round to nearest even, as c10::BFloat16
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;  // NaN
+  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+struct Problem {
+  const uint16_t* q;   // query i, head h at q + i * q_stride + h * D
+  int64_t q_stride;
+  const uint16_t* k;   // head g, token t at k + g * k_hstride + t * D
+  int64_t k_hstride;
+  const uint16_t* vt;  // [KVH, D, s_pad]: V transposed, zero past S
+  uint16_t* out;       // [T, H, D]
+  int64_t T, H, KVH, D, S, start, s_pad, group;
+  float scale_log2;
+};
+
+// Per-thread buffers (64-byte aligned for tile loads).
+struct Scratch {
+  std::vector<uint32_t> raw;
+  uint32_t* qt;   // [group][D/32][16 rows][16 queries]: Q^T in pair layout (bf16 pairs)
+  float* acc;     // [group][D][16]: O^T accumulators
+  float* m;       // [group][16]: running max (log2 domain)
+  float* l;       // [group][16]: running sum
+  float* s;       // [3][32][16]: one block's scores, per head of a 3-head batch
+  uint16_t* p;    // [3][16][32]: P^T pairs, per head of the batch
+  uint16_t* kpad; // [32][D]: the last K block, zero past S
+
+  Scratch(const Problem& P) {
+    const int64_t words = P.group * (P.D / 32) * 256 + P.group * P.D * 16 + 2 * P.group * 16 +
+                          3 * kT * 16 + 3 * 256 + kT * P.D / 2 + 16 * 8;
+    raw.assign(words + 16, 0u);
+    auto* base = reinterpret_cast<uint32_t*>(
+        (reinterpret_cast<uintptr_t>(raw.data()) + 63) & ~uintptr_t{63});
+    auto take = [&base](int64_t n) {  // keep every buffer 64-byte aligned
+      uint32_t* r = base;
+      base += (n + 15) / 16 * 16;
+      return r;
+    };
+    qt = take(P.group * (P.D / 32) * 256);
+    acc = reinterpret_cast<float*>(take(P.group * P.D * 16));
+    m = reinterpret_cast<float*>(take(P.group * 16));
+    l = reinterpret_cast<float*>(take(P.group * 16));
+    s = reinterpret_cast<float*>(take(3 * kT * 16));
+    p = reinterpret_cast<uint16_t*>(take(3 * 256));
+    kpad = reinterpret_cast<uint16_t*>(take(kT * P.D / 2));
+  }
+};
+
+// Q^T of query rows [i0, i0 + nq) of head `head`, as AMX B tiles (one per 32 dims): row r of
+// part c holds, for every query lane, the bf16 pair of dims c*32 + 2r, +1. Missing lanes are 0.
+void pack_queries(const Problem& P, int64_t i0, int64_t nq, int64_t head, uint32_t* qt) {
+  const int64_t parts = P.D / 32;
+  for (int64_t c = 0; c < parts; ++c) {
+    uint32_t* tile = qt + c * 256;
+    for (int64_t mq = 0; mq < kQ; ++mq) {
+      const uint16_t* row = P.q + (i0 + mq) * P.q_stride + head * P.D + c * 32;
+      for (int r = 0; r < 16; ++r) {
+        uint32_t w = 0;
+        if (mq < nq) std::memcpy(&w, row + 2 * r, 4);
+        tile[r * 16 + mq] = w;
+      }
+    }
+  }
+}
+
+// Online softmax over one block's 32 score rows of one head. Writes P^T in pairs to p; returns
+// true when some lane's running max rose, and then the caller must scale that head's
+// accumulators by `corr` (2^(old max - new max), 1 in the other lanes); blocks that raise no
+// max (most, once the first keys are seen) skip that pass. The max is always exact, never a
+// stale upper guess: the dominant probability is then exactly 1 and survives the bf16
+// rounding of P (a stale max with 8 units of slack was ~10% faster and doubled the error).
+
+inline bool softmax_block(float* s, float* m, float* l, uint16_t* p, __m512& corr, __m512i qpos,
+                          int64_t t0, bool mask, float scale_log2) {
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m512 old_max = _mm512_load_ps(m);
+  __m512 mx = neg_inf;
+  for (int t = 0; t < kT; ++t) {
+    __m512 x = _mm512_mul_ps(_mm512_load_ps(s + t * 16), _mm512_set1_ps(scale_log2));
+    if (mask) {  // key t0 + t is in the future of lanes whose position is smaller
+      const __mmask16 future = _mm512_cmplt_epi32_mask(qpos, _mm512_set1_epi32(t0 + t));
+      x = _mm512_mask_mov_ps(x, future, neg_inf);
+    }
+    _mm512_store_ps(s + t * 16, x);
+    mx = _mm512_max_ps(mx, x);
+  }
+  // The first block moves every lane off -inf; a lane whose keys are all masked never moves.
+  const __mmask16 moved = _mm512_cmp_ps_mask(mx, old_max, _CMP_GT_OQ);
+  const __m512 new_max = _mm512_mask_mov_ps(old_max, moved, mx);
+  const __m512i interleave = _mm512_set_epi16(
+      31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+      23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  __m512 sum = _mm512_setzero_ps();
+  for (int r = 0; r < kT / 2; ++r) {
+    const __m512 p0 = exp2_nonpos(_mm512_sub_ps(_mm512_load_ps(s + (2 * r) * 16), new_max));
+    const __m512 p1 = exp2_nonpos(_mm512_sub_ps(_mm512_load_ps(s + (2 * r + 1) * 16), new_max));
+    sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
+    const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(p1, p0);
+    _mm512_store_si512(p + r * 32, _mm512_permutexvar_epi16(interleave, both));
+  }
+  __m512 l_old = _mm512_load_ps(l);
+  if (moved) {
+    corr = exp2_nonpos(_mm512_sub_ps(old_max, new_max));  // 1 in lanes that kept their max
+    l_old = _mm512_mul_ps(l_old, corr);
+    _mm512_store_ps(m, new_max);
+  }
+  _mm512_store_ps(l, _mm512_add_ps(l_old, sum));
+  return moved != 0;
+}
+
+// GCC's tile intrinsics are macros that paste the tile number into the instruction, so the
+// numbers are literals and the helpers below unroll over up to 3 heads by hand.
+
+// S^T (2 tiles per head: tokens 0-15 and 16-31 of the block) for HN heads of the group, K
+// tile loaded once per (half, part) and shared by the heads. Tiles 0..2HN-1, 6 (Q^T), 7 (K).
+template <int HN>
+void block_scores(const Problem& P, const uint16_t* kb, const uint32_t* const* qt, float* const* s) {
+  const int64_t parts = P.D / 32, k_stride = P.D * 2;
+  _tile_zero(0); _tile_zero(1);
+  if (HN > 1) { _tile_zero(2); _tile_zero(3); }
+  if (HN > 2) { _tile_zero(4); _tile_zero(5); }
+  for (int64_t c = 0; c < parts; ++c) {
+    _tile_loadd(7, kb + c * 32, k_stride);  // tokens 0-15
+    _tile_loadd(6, qt[0] + c * 256, 64);
+    _tile_dpbf16ps(0, 7, 6);
+    if (HN > 1) { _tile_loadd(6, qt[1] + c * 256, 64); _tile_dpbf16ps(2, 7, 6); }
+    if (HN > 2) { _tile_loadd(6, qt[2] + c * 256, 64); _tile_dpbf16ps(4, 7, 6); }
+    _tile_loadd(7, kb + 16 * P.D + c * 32, k_stride);  // tokens 16-31
+    _tile_loadd(6, qt[0] + c * 256, 64);
+    _tile_dpbf16ps(1, 7, 6);
+    if (HN > 1) { _tile_loadd(6, qt[1] + c * 256, 64); _tile_dpbf16ps(3, 7, 6); }
+    if (HN > 2) { _tile_loadd(6, qt[2] + c * 256, 64); _tile_dpbf16ps(5, 7, 6); }
+  }
+  _tile_stored(0, s[0], 64); _tile_stored(1, s[0] + 256, 64);
+  if (HN > 1) { _tile_stored(2, s[1], 64); _tile_stored(3, s[1] + 256, 64); }
+  if (HN > 2) { _tile_stored(4, s[2], 64); _tile_stored(5, s[2] + 256, 64); }
+}
+
+// O^T += V^T . P^T for HN heads, accumulators loaded into tiles 0..HN-1 and stored back per 16
+// dims; V^T (tile 6) is loaded once per 16 dims and shared; P^T of head j sits in tile 3 + j.
+template <int HN>
+void block_values(const Problem& P, const uint16_t* vt_head, int64_t t0, const uint16_t* const* p,
+                  float* const* acc) {
+  _tile_loadd(3, p[0], 64);
+  if (HN > 1) _tile_loadd(4, p[1], 64);
+  if (HN > 2) _tile_loadd(5, p[2], 64);
+  for (int64_t dt = 0; dt < P.D / 16; ++dt) {
+    _tile_loadd(0, acc[0] + dt * 256, 64);
+    if (HN > 1) _tile_loadd(1, acc[1] + dt * 256, 64);
+    if (HN > 2) _tile_loadd(2, acc[2] + dt * 256, 64);
+    _tile_loadd(6, vt_head + dt * 16 * P.s_pad + t0, P.s_pad * 2);
+    _tile_dpbf16ps(0, 6, 3);
+    if (HN > 1) _tile_dpbf16ps(1, 6, 4);
+    if (HN > 2) _tile_dpbf16ps(2, 6, 5);
+    _tile_stored(0, acc[0] + dt * 256, 64);
+    if (HN > 1) _tile_stored(1, acc[1] + dt * 256, 64);
+    if (HN > 2) _tile_stored(2, acc[2] + dt * 256, 64);
+  }
+}
+
+inline void scale_rows(float* acc, int64_t rows, __m512 factor) {
+  for (int64_t d = 0; d < rows; ++d) {
+    _mm512_store_ps(acc + d * 16, _mm512_mul_ps(_mm512_load_ps(acc + d * 16), factor));
+  }
+}
+
+// One block of 32 keys for heads h0 .. h0+HN-1 of the group.
+template <int HN>
+void run_block(const Problem& P, Scratch& sc, const uint16_t* kb, const uint16_t* vt_head,
+               int64_t t0, int64_t h0, __m512i qpos, bool mask) {
+  const int64_t parts = P.D / 32;
+  const uint32_t* qt[3];
+  float* s[3];
+  const uint16_t* pp[3];
+  float* acc[3];
+  for (int j = 0; j < HN; ++j) {
+    qt[j] = sc.qt + (h0 + j) * parts * 256;
+    s[j] = sc.s + j * kT * 16;
+    pp[j] = sc.p + j * kT * 16;
+    acc[j] = sc.acc + (h0 + j) * P.D * 16;
+  }
+  block_scores<HN>(P, kb, qt, s);
+  for (int j = 0; j < HN; ++j) {
+    __m512 corr;
+    if (softmax_block(s[j], sc.m + (h0 + j) * 16, sc.l + (h0 + j) * 16, sc.p + j * kT * 16, corr,
+                      qpos, t0, mask, P.scale_log2)) {
+      scale_rows(acc[j], P.D, corr);
+    }
+  }
+  block_values<HN>(P, vt_head, t0, pp, acc);
+}
+
+void run_item(const Problem& P, int64_t g, int64_t qb, Scratch& sc) {
+  const int64_t i0 = qb * kQ;
+  const int64_t nq = std::min<int64_t>(kQ, P.T - i0);
+  const int64_t p_first = P.start + i0, p_last = p_first + nq - 1;
+  const int64_t parts = P.D / 32;
+  alignas(64) int32_t pos[kQ];
+  for (int mq = 0; mq < kQ; ++mq) {
+    pos[mq] = static_cast<int32_t>(p_first + std::min<int64_t>(mq, nq - 1));  // pad lanes copy
+  }
+  const __m512i qpos = _mm512_load_si512(pos);
+  for (int64_t h = 0; h < P.group; ++h) {
+    pack_queries(P, i0, nq, g * P.group + h, sc.qt + h * parts * 256);
+    std::fill_n(sc.m + h * 16, 16, -std::numeric_limits<float>::infinity());
+    std::fill_n(sc.l + h * 16, 16, 0.0f);
+  }
+  std::fill_n(sc.acc, P.group * P.D * 16, 0.0f);
+  const uint16_t* k_head = P.k + g * P.k_hstride;
+  const uint16_t* vt_head = P.vt + g * P.D * P.s_pad;
+
+  for (int64_t t0 = 0; t0 <= p_last; t0 += kT) {
+    const uint16_t* kb = k_head + t0 * P.D;
+    if (t0 + kT > P.S) {  // past the cache's valid rows: copy what exists, zero the rest
+      const int64_t have = P.S - t0;
+      std::memcpy(sc.kpad, kb, have * P.D * 2);
+      std::memset(sc.kpad + have * P.D, 0, (kT - have) * P.D * 2);
+      kb = sc.kpad;
+    }
+    const bool mask = t0 + kT - 1 > p_first;
+    for (int64_t h0 = 0; h0 < P.group; h0 += 3) {
+      switch (std::min<int64_t>(3, P.group - h0)) {
+        case 3: run_block<3>(P, sc, kb, vt_head, t0, h0, qpos, mask); break;
+        case 2: run_block<2>(P, sc, kb, vt_head, t0, h0, qpos, mask); break;
+        default: run_block<1>(P, sc, kb, vt_head, t0, h0, qpos, mask); break;
+      }
+    }
+  }
+  for (int64_t h = 0; h < P.group; ++h) {
+    const float* acc = sc.acc + h * P.D * 16;
+    const float* l = sc.l + h * 16;
+    for (int64_t mq = 0; mq < nq; ++mq) {
+      uint16_t* o = P.out + ((i0 + mq) * P.H + g * P.group + h) * P.D;
+      const float inv = 1.0f / l[mq];
+      for (int64_t d = 0; d < P.D; ++d) o[d] = to_bf16(acc[d * 16 + mq] * inv);
+    }
+  }
+}
+
+// V^T per kv head, zero-padded to s_pad tokens: the A operand of O^T = V^T . P^T.
+at::Tensor transpose_values(const at::Tensor& v, int64_t s_pad) {
+  const int64_t kvh = v.size(0), S = v.size(1), D = v.size(2);
+  at::Tensor vt = at::zeros({kvh, D, s_pad}, v.options());
+  const auto* src = reinterpret_cast<const uint16_t*>(v.data_ptr());
+  auto* dst = reinterpret_cast<uint16_t*>(vt.data_ptr());
+  const int64_t hs = v.stride(0), blocks = (S + kT - 1) / kT;
+  at::parallel_for(0, kvh * blocks, 16, [&](int64_t lo, int64_t hi) {
+    for (int64_t i = lo; i < hi; ++i) {
+      const int64_t g = i / blocks, t0 = (i % blocks) * kT, t1 = std::min(S, t0 + kT);
+      for (int64_t d = 0; d < D; ++d) {
+        uint16_t* row = dst + (g * D + d) * s_pad;
+        for (int64_t t = t0; t < t1; ++t) row[t] = src[g * hs + t * D + d];
+      }
+    }
+  });
+  return vt;
+}
+
+#endif  // ALIGNEDSERVE_AMX
+
+bool prefill_attention_available() {
+#ifdef ALIGNEDSERVE_AMX
+  return amx_permitted();
+#else
+  return false;
+#endif
+}
+
+at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                             int64_t start, double scale) {
+  TORCH_CHECK(prefill_attention_available(), "prefill_attention: AMX-BF16 is not available");
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "prefill_attention: 3-d tensors");
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 &&
+                  v.scalar_type() == at::kBFloat16, "prefill_attention: bf16 only");
+  TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(),
+              "prefill_attention: CPU tensors");
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2),
+              "prefill_attention: q heads must be dense within a token row");
+  const int64_t T = q.size(0), H = q.size(1), D = q.size(2), KVH = k.size(0), S = k.size(1);
+  TORCH_CHECK(D % 32 == 0 && D <= 256, "prefill_attention: head_dim must be a multiple of 32");
+  TORCH_CHECK(KVH > 0 && H % KVH == 0, "prefill_attention: heads must be a multiple of kv heads");
+  TORCH_CHECK(v.sizes() == k.sizes() && k.size(2) == D, "prefill_attention: k/v shape");
+  TORCH_CHECK(k.stride(2) == 1 && k.stride(1) == D, "prefill_attention: k token rows dense");
+  TORCH_CHECK(v.stride(2) == 1 && v.stride(1) == D, "prefill_attention: v token rows dense");
+  TORCH_CHECK(start >= 0 && S == start + T, "prefill_attention: need S == start + T");
+  at::Tensor out = at::empty({T, H, D}, q.options());
+#ifdef ALIGNEDSERVE_AMX
+  if (T == 0) return out;
+  const int64_t s_pad = (S + kT - 1) / kT * kT;
+  const at::Tensor vt = transpose_values(v, s_pad);
+  Problem P{reinterpret_cast<const uint16_t*>(q.data_ptr()), q.stride(0),
+            reinterpret_cast<const uint16_t*>(k.data_ptr()), k.stride(0),
+            reinterpret_cast<const uint16_t*>(vt.data_ptr()),
+            reinterpret_cast<uint16_t*>(out.data_ptr()),
+            T, H, KVH, D, S, start, s_pad, H / KVH,
+            static_cast<float>(scale) * kLog2e};
+  const int64_t q_blocks = (T + kQ - 1) / kQ, items = q_blocks * KVH;
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    configure_tiles();
+    Scratch scratch(P);
+    for (int64_t i = next.fetch_add(1); i < items; i = next.fetch_add(1)) {
+      run_item(P, i % KVH, q_blocks - 1 - i / KVH, scratch);  // most keys first
+    }
+    _tile_release();
+  });
+#endif
+  return out;
+}
+
+}  // namespace
+
+void register_prefill(pybind11::module_& m) {
+  using pybind11::arg;
+  m.def("prefill_attention_available", &prefill_attention_available,
+        "True when this build has the AMX prefill kernel and the OS granted AMX state.");
+  m.def("prefill_attention", &prefill_attention,
+        "Causal attention of q (absolute positions start..start+T-1) over k/v [KVH, S, D] "
+        "(bf16, AMX).", arg("q"), arg("k"), arg("v"), arg("start"), arg("scale"));
+}
+
+}  // namespace alignedserve

@@ -1,0 +1,105 @@
+"""The AMX prefill-attention kernel against torch's SDPA (float32 on the same bf16 inputs).
+
+Skipped where the build or CPU has no AMX-BF16 (the engine then uses SDPA, which the engine
+tests cover). The kernel's own error must stay at the level of torch's bf16 SDPA: the output
+rounding (half a bf16 ulp) plus the bf16 rounding of the probabilities.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from alignedserve.executor import kernels
+from alignedserve.executor.attention import PrefillSegment, StepAttention
+
+
+@pytest.fixture(scope="module")
+def ext():
+    module = kernels.load_kernels()
+    if module is None or not module.prefill_attention_available():
+        pytest.skip("no AMX prefill kernel in this build / on this CPU")
+    return module
+
+
+def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
+              scale: float) -> torch.Tensor:
+    """float32 SDPA with the bottom-right causal mask of a chunk at ``start``."""
+    rows = torch.arange(q.shape[0]).unsqueeze(1) + start
+    mask = torch.arange(k.shape[1]).unsqueeze(0) <= rows
+    o = F.scaled_dot_product_attention(
+        q.float().transpose(0, 1).unsqueeze(0), k.float().unsqueeze(0), v.float().unsqueeze(0),
+        attn_mask=mask, scale=scale, enable_gqa=True)
+    return o.squeeze(0).transpose(0, 1)
+
+
+def bf16_sdpa_error(q, k, v, start, scale, want) -> float:
+    rows = torch.arange(q.shape[0]).unsqueeze(1) + start
+    mask = torch.arange(k.shape[1]).unsqueeze(0) <= rows
+    o = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), k.unsqueeze(0),
+                                       v.unsqueeze(0), attn_mask=mask, scale=scale,
+                                       enable_gqa=True).squeeze(0).transpose(0, 1)
+    return (o.float() - want).abs().max().item()
+
+
+@pytest.mark.parametrize("tokens,start,heads,kv_heads,dim", [
+    (1, 0, 9, 3, 64), (5, 0, 9, 3, 64), (16, 0, 4, 4, 64), (37, 100, 9, 3, 64),
+    (300, 0, 9, 3, 64), (250, 777, 9, 3, 64), (33, 31, 8, 2, 128), (70, 13, 12, 4, 32),
+    (3, 61, 6, 1, 256), (40, 9, 10, 2, 64)])
+def test_matches_sdpa(ext, tokens: int, start: int, heads: int, kv_heads: int, dim: int):
+    torch.manual_seed(tokens * 7 + start)
+    keys = start + tokens
+    # A cache slab with spare capacity (strided heads) and a query view of a fused qkv row.
+    cache = torch.randn(2, kv_heads, keys + 9, dim, dtype=torch.bfloat16) * 2
+    k, v = cache[0, :, :keys], cache[1, :, :keys]
+    qkv = torch.randn(tokens, heads + 2 * kv_heads, dim, dtype=torch.bfloat16) * 2
+    q = qkv[:, :heads]
+    scale = dim ** -0.5
+    got = ext.prefill_attention(q, k, v, start, scale)
+    want = reference(q, k, v, start, scale)
+    assert got.dtype == torch.bfloat16 and got.shape == q.shape
+    err = (got.float() - want).abs().max().item()
+    assert err <= 1.25 * bf16_sdpa_error(q, k, v, start, scale, want) + 1e-3
+
+
+def test_rejects_bad_inputs(ext):
+    q = torch.randn(4, 6, 64, dtype=torch.bfloat16)
+    k = torch.randn(3, 10, 64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="S == start"):
+        ext.prefill_attention(q, k, k, 5, 0.125)  # 5 + 4 != 10 keys
+    with pytest.raises(RuntimeError, match="multiple of kv heads"):
+        ext.prefill_attention(torch.randn(4, 7, 64, dtype=torch.bfloat16), k[:, :4], k[:, :4],
+                              0, 0.125)
+    with pytest.raises(RuntimeError, match="bf16"):
+        ext.prefill_attention(q.float(), k[:, :4], k[:, :4], 0, 0.125)
+
+
+def test_step_attention_routes_big_chunks_to_the_kernel(ext, monkeypatch):
+    """A chunk with enough work takes the kernel, a small one SDPA; both give SDPA's answer
+    through StepAttention (cache write included)."""
+    calls = []
+    real = kernels.prefill_attention
+    monkeypatch.setattr("alignedserve.executor.attention.prefill_attention",
+                        lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    torch.manual_seed(0)
+    layers, kv_heads, heads, dim = 2, 3, 9, 64
+    segs = [PrefillSegment(torch.zeros(layers, 2, kv_heads, 1200, dim, dtype=torch.bfloat16),
+                           start, n) for start, n in ((0, 40), (500, 400))]
+    for seg in segs:  # earlier context of the continuation chunk
+        seg.cache[:, :, :, :seg.start] = torch.randn(layers, 2, kv_heads, seg.start, dim)
+    tokens = sum(s.num_tokens for s in segs)
+    q = torch.randn(tokens, heads, dim, dtype=torch.bfloat16)
+    k = torch.randn(tokens, kv_heads, dim, dtype=torch.bfloat16)
+    v = torch.randn(tokens, kv_heads, dim, dtype=torch.bfloat16)
+    out = StepAttention(segs, [], torch.zeros(0, dtype=torch.int64), 0.125)(1, q, k, v)
+    assert calls == [400]
+    offset = 0
+    for seg in segs:
+        end = offset + seg.num_tokens
+        stop = seg.start + seg.num_tokens
+        cache_k, cache_v = seg.cache[1, 0, :, :stop], seg.cache[1, 1, :, :stop]
+        assert torch.equal(cache_k[:, seg.start:], k[offset:end].transpose(0, 1))
+        want = reference(q[offset:end], cache_k, cache_v, seg.start, 0.125)
+        assert (out[offset:end].float() - want).abs().max().item() < 0.03
+        offset = end
