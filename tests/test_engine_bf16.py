@@ -62,10 +62,19 @@ def test_bf16_greedy_is_close_to_float32(default_model_path, default_model_fp32,
             assert diff <= report_tol, f"prompt {i} step {step}: logprob off by {diff:.3f}"
 
 
+NEAR_TIE_NATS = 0.1
+
+
 @torch.inference_mode()
 def test_fp8_cache_survives_write_back_and_prefetch(default_model_fp32):
     """Tier moves copy the 8-bit cache exactly: a device tier too small for all requests (so KV
-    is written back to host and prefetched again) gives the same greedy tokens as a large one."""
+    is written back to host and prefetched again) gives the same greedy tokens as a large one.
+
+    The two runs batch the prompts differently (the tight tier admits fewer at once), and bf16
+    GEMMs round differently at different row counts, so a near-tie may flip: the sequences
+    must agree up to a step where the ample run had the tight run's token within
+    NEAR_TIE_NATS of its choice, and are not compared past it. A lost or garbled KV copy
+    changes the distribution itself, not a near-tie."""
     doc = document(default_model_fp32.tokenizer)
     prompts = [doc[:16], doc[40:240], doc[100:800], doc[900:1300]]
 
@@ -74,14 +83,14 @@ def test_fp8_cache_survives_write_back_and_prefetch(default_model_fp32):
             dtype="bfloat16", kv_cache_dtype="fp8_e5m2", policy="aligned",
             scheduler=SchedulerConfig(max_num_batched_tokens=256, kv_reserve_tokens=32),
             cache=CacheConfig(device_kv_gb=device_kv_gb, host_kv_gb=1.0)))
-        params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+        params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=2)
         for i, p in enumerate(prompts):
             engine.add_request(str(i), p, params)
         outs, copied = {}, 0
         while engine.has_unfinished():
             for out in engine.step():
                 if out.finished:
-                    outs[out.request_id] = out.outputs[0].token_ids
+                    outs[out.request_id] = out.outputs[0]
             copied += engine.stats.window[-1].copy_bytes
         engine.close()
         return [outs[str(i)] for i in range(len(prompts))], copied
@@ -89,4 +98,13 @@ def test_fp8_cache_survives_write_back_and_prefetch(default_model_fp32):
     ample, ample_copies = run(2.0)
     tight, tight_copies = run(0.012)  # ~1,100 tokens of fp8 KV: not all four fit at once
     assert ample_copies == 0 and tight_copies > 0
-    assert tight == ample
+    compared = 0
+    for i, (a, t) in enumerate(zip(ample, tight)):
+        for step, (want, got) in enumerate(zip(a.token_ids, t.token_ids)):
+            if want != got:
+                top = a.logprobs[step]
+                assert got in top and top[want] - top[got] <= NEAR_TIE_NATS, (
+                    f"prompt {i} step {step}: {got} instead of {want}, not a near-tie ({top})")
+                break
+            compared += 1
+    assert compared >= 24, f"only {compared} of 32 tokens agreed before a near-tie"

@@ -82,17 +82,16 @@ void configure_tiles() {
   _tile_loadconfig(&cfg);
 }
 
-// 2^x for x <= 0 (scores minus their running max): degree-6 Taylor polynomial of e^(f ln2) on
-// f in [-0.5, 0.5], ~1e-7 relative error, far below the bf16 rounding of P.
+// 2^x for x <= 0 (scores minus their running max): degree-4 Taylor polynomial of e^(f ln2) on
+// f in [-0.5, 0.5], ~4e-5 relative error, well below the bf16 rounding of P (2^-9); degree 6
+// measured the same output error and ~5% slower.
 inline __m512 exp2_nonpos(__m512 x) {
   const __m512 xc = _mm512_max_ps(x, _mm512_set1_ps(-150.0f));  // -inf (masked) -> ~0
   const __m512 n = _mm512_roundscale_ps(xc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(xc, n);  // in [-0.5, 0.5]
   constexpr float c1 = 0.6931471805599453f, c2 = c1 * c1 / 2, c3 = c2 * c1 / 3,
-                  c4 = c3 * c1 / 4, c5 = c4 * c1 / 5, c6 = c5 * c1 / 6;
-  __m512 p = _mm512_set1_ps(c6);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c5));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c4));
+                  c4 = c3 * c1 / 4;
+  __m512 p = _mm512_set1_ps(c4);
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c3));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c2));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c1));
