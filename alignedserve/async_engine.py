@@ -1,15 +1,15 @@
 """AsyncEngine: an asyncio front for the synchronous LLMEngine, for the HTTP server.
 
-The engine is built and run in one background thread that owns it exclusively: every torch
+The engine is built and run in one background thread that owns it exclusively, so every torch
 operation of the model happens on that thread. (OpenMP keeps a worker pool per thread that
-starts parallel regions; with a second pool alive, libgomp counts more threads than CPUs and stops
-spinning between regions, so each region starts by waking sleeping workers. Building in one
-thread and stepping in another cost 17% of decode throughput on 2 cores; docs/architecture.md.)
-Callers on the event loop
-submit commands (add, abort) through a thread-safe queue; the engine thread applies them
-between steps and hands each RequestOutput back to the caller's asyncio.Queue with
-``call_soon_threadsafe``. Every accepted request ends with a finished output or an exception
-in its stream; leaving a stream early (client gone) aborts the request and frees its KV.
+starts parallel regions; with a second pool alive, libgomp counts more threads than CPUs and
+stops spinning between regions, so each region starts by waking sleeping workers. Building in
+one thread and stepping in another cost 17-23% of throughput on 2 cores; docs/architecture.md.)
+Callers on the event loop submit commands (add, abort) through a thread-safe queue; the engine
+thread applies them between steps and hands each RequestOutput back to the caller's
+asyncio.Queue with ``call_soon_threadsafe``. Every accepted request ends with a finished output
+or an exception in its stream; leaving a stream early (client gone) aborts the request and
+frees its KV.
 """
 
 from __future__ import annotations
