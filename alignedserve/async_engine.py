@@ -63,15 +63,15 @@ class AsyncEngine:
         self._pending = 0  # accepted and not yet finished (touched only on the event loop)
         self._ids = itertools.count()
         self._stop = threading.Event()
-        self._built: queue.SimpleQueue = queue.SimpleQueue()
+        self._built: queue.SimpleQueue = queue.SimpleQueue()  # None, or the build's exception
         self._thread = threading.Thread(target=self._run, args=(make_engine,), name="engine",
                                         daemon=True)
+        self.engine: LLMEngine  # set by the engine thread before it reports success
         self._thread.start()
-        built = self._built.get()
-        if isinstance(built, BaseException):
+        error = self._built.get()
+        if error is not None:
             self._thread.join()
-            raise built
-        self.engine: LLMEngine = built
+            raise error
 
     @property
     def is_running(self) -> bool:
@@ -126,7 +126,7 @@ class AsyncEngine:
         except BaseException as exc:  # handed to the constructor, which raises it
             self._built.put(exc)
             return
-        self._built.put(self.engine)
+        self._built.put(None)
         while not self._stop.is_set():
             idle = not self.engine.has_unfinished()
             self._apply_commands(block=idle)

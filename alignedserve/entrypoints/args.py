@@ -8,6 +8,7 @@ from alignedserve.config import CacheConfig, EngineConfig, SchedulerConfig
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    sched = SchedulerConfig()  # scheduler defaults come from the config, so they cannot drift
     g = parser.add_argument_group("engine")
     g.add_argument("--model", default=None,
                    help="Hugging Face model directory or .gguf file (default: SmolLM2-135M-Instruct)")
@@ -24,10 +25,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None, help="context length cap")
     g.add_argument("--device-kv-gb", type=float, default=4.0, help="KV budget per device (GiB)")
     g.add_argument("--host-kv-gb", type=float, default=8.0, help="KV budget in host RAM (GiB)")
-    g.add_argument("--max-num-seqs", type=int, default=256, help="max requests running at once")
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048,
+    g.add_argument("--max-num-seqs", type=int, default=sched.max_num_seqs,
+                   help="max requests running at once")
+    g.add_argument("--max-num-batched-tokens", type=int, default=sched.max_num_batched_tokens,
                    help="per-step token budget (prefills are chunked to fit)")
-    g.add_argument("--align-tolerance", type=int, default=2,
+    g.add_argument("--align-tolerance", type=int, default=sched.align_tolerance,
                    help="max KV-length difference inside an aligned decode batch")
     g.add_argument("--max-cohort-rows", type=int, default=64,
                    help="aligned: cohorts larger than this are split")

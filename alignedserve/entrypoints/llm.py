@@ -13,6 +13,7 @@ from alignedserve.outputs import RequestOutput
 from alignedserve.sampling_params import SamplingParams
 
 PromptType = str | dict[str, Any]
+_SCHED = SchedulerConfig()  # the defaults below come from here, so they cannot drift
 Message = dict[str, str]
 
 
@@ -26,8 +27,9 @@ class LLM:
     def __init__(self, model: str | None = None, dtype: str = "bfloat16", device: str | None = None,
                  policy: str = "aligned", seed: int | None = None, max_model_len: int | None = None,
                  num_threads: int | None = None, device_kv_gb: float = 4.0,
-                 host_kv_gb: float = 8.0, max_num_seqs: int = 256,
-                 max_num_batched_tokens: int = 1024, align_tolerance: int = 2,
+                 host_kv_gb: float = 8.0, max_num_seqs: int = _SCHED.max_num_seqs,
+                 max_num_batched_tokens: int = _SCHED.max_num_batched_tokens,
+                 align_tolerance: int = _SCHED.align_tolerance,
                  kv_cache_dtype: str = "auto", loaded=None):
         config = EngineConfig(
             model=model, dtype=dtype, kv_cache_dtype=kv_cache_dtype, device=device,

@@ -34,8 +34,10 @@ class StepAttention:
         self.decode_caches = decode_caches
         self.decode_positions = decode_positions
         self.scale = scale
-        # Per prefill chunk, built at the first layer: True (AMX kernel) or SDPA's mask.
-        self._plans: list[bool | torch.Tensor | None] | None = None
+        # Per prefill chunk, decided at the first layer (q's dtype is known there): whether the
+        # AMX kernel takes it, else SDPA's mask (None: plain causal).
+        self._use_kernel: list[bool] | None = None
+        self._masks: list[torch.Tensor | None] = []
 
     @staticmethod
     def _mask(seg: PrefillSegment, dtype: torch.dtype) -> torch.Tensor | None:
@@ -51,27 +53,25 @@ class StepAttention:
         return mask.masked_fill_(cols > rows, float("-inf")).to(seg.cache.device)
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        if self._plans is None:
-            self._plans = [self._plan(s, q) for s in self.prefills]
+        if self._use_kernel is None:
+            self._use_kernel = [prefill_kernel_applies(q, s.num_tokens, s.start + s.num_tokens)
+                                for s in self.prefills]
+            self._masks = [None if kernel else self._mask(s, q.dtype)
+                           for s, kernel in zip(self.prefills, self._use_kernel)]
         out = torch.empty_like(q)
         offset = 0
-        for seg, plan in zip(self.prefills, self._plans):
+        for i, seg in enumerate(self.prefills):
             end = offset + seg.num_tokens
-            out[offset:end] = self._prefill(seg, plan, layer, q[offset:end], k[offset:end],
-                                            v[offset:end])
+            out[offset:end] = self._prefill(i, layer, q[offset:end], k[offset:end], v[offset:end])
             offset = end
         if self.decode_caches:
             out[offset:] = decode_attention(q[offset:], k[offset:], v[offset:], self.decode_caches,
                                             self.decode_positions, layer, self.scale)
         return out
 
-    def _plan(self, seg: PrefillSegment, q: torch.Tensor) -> bool | torch.Tensor | None:
-        if prefill_kernel_applies(q, seg.num_tokens, seg.start + seg.num_tokens):
-            return True
-        return self._mask(seg, q.dtype)
-
-    def _prefill(self, seg: PrefillSegment, plan: bool | torch.Tensor | None, layer: int,
-                 q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def _prefill(self, i: int, layer: int, q: torch.Tensor, k: torch.Tensor,
+                 v: torch.Tensor) -> torch.Tensor:
+        seg = self.prefills[i]
         stop = seg.start + seg.num_tokens
         k_cache, v_cache = seg.cache[layer, 0], seg.cache[layer, 1]  # [kv_heads, cap, dim]
         k_cache[:, seg.start:stop].copy_(k.transpose(0, 1))
@@ -79,9 +79,9 @@ class StepAttention:
         # Attend over what the cache holds (an 8-bit cache is widened to q's dtype), so prefill
         # and decode see the same K/V values.
         keys, values = k_cache[:, :stop].to(q.dtype), v_cache[:, :stop].to(q.dtype)
-        if plan is True:
+        if self._use_kernel[i]:
             return prefill_attention(q, keys, values, seg.start, self.scale)
-        mask = plan
+        mask = self._masks[i]
         o = F.scaled_dot_product_attention(
             q.transpose(0, 1).unsqueeze(0), keys.unsqueeze(0),
             values.unsqueeze(0), attn_mask=mask, is_causal=mask is None,
