@@ -20,12 +20,13 @@ needs_packing = pytest.mark.skipif(
 @needs_packing
 @pytest.mark.parametrize("rows", [1, 37, PACKED_MAX_ROWS, PACKED_MAX_ROWS + 1])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_matches_plain_linear(rows: int, with_bias: bool) -> None:
+@pytest.mark.parametrize("amx_max_rows", [0, 512])  # 0: oneDNN's prepacked path only
+def test_matches_plain_linear(rows: int, with_bias: bool, amx_max_rows: int) -> None:
     gen = torch.Generator().manual_seed(rows)
     weight = torch.randn(96, 64, generator=gen).bfloat16()
     bias = torch.randn(96, generator=gen).bfloat16() if with_bias else None
     x = torch.randn(rows, 64, generator=gen).bfloat16()
-    got = PackedLinear(weight, bias)(x).float()
+    got = PackedLinear(weight, bias, amx_max_rows=amx_max_rows)(x).float()
     want = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
     # Both accumulate in fp32 and round once to bf16; allow that rounding.
     torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)

@@ -841,6 +841,7 @@ std::string compiled_path() {
 
 void register_fused(pybind11::module_& m);    // fused.cpp: the bf16 elementwise kernels
 void register_prefill(pybind11::module_& m);  // prefill_attention.cpp: AMX prefill attention
+void register_small_gemm(pybind11::module_& m);  // small_gemm.cpp: AMX small-batch linear
 
 }  // namespace alignedserve
 
@@ -854,4 +855,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "'avx512' or 'portable': the instruction path compiled in.");
   alignedserve::register_fused(m);
   alignedserve::register_prefill(m);
+  alignedserve::register_small_gemm(m);
 }

@@ -35,7 +35,7 @@ import torch
 log = logging.getLogger(__name__)
 
 _EXT_NAME = "alignedserve_attention"
-_SOURCES = ("attention.cpp", "fused.cpp", "prefill_attention.cpp")
+_SOURCES = ("attention.cpp", "fused.cpp", "prefill_attention.cpp", "small_gemm.cpp")
 _KERNEL_DTYPES = (torch.bfloat16, torch.float32, torch.float8_e5m2)
 _MAX_HEAD_DIM = 256
 
@@ -187,6 +187,15 @@ def decode_attention_reference(q: torch.Tensor, k_new: torch.Tensor, v_new: torc
         probs = torch.softmax(torch.matmul(qg, k.transpose(1, 2)) * scale, dim=-1)
         out[b] = torch.matmul(probs, v).reshape(heads, dim).to(q.dtype)
     return out
+
+
+def amx_linear_kernels() -> ModuleType | None:
+    """The compiled module if it has the AMX small-batch linear (``amx_linear``, built with
+    AMX-BF16 and granted tile state by the OS) and kernels are not disabled; else None."""
+    if kernels_disabled():
+        return None
+    module = load_kernels()
+    return module if module is not None and module.amx_linear_available() else None
 
 
 # Below this much work (query tokens x keys) torch's SDPA is as fast: the kernel's per-call
