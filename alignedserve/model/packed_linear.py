@@ -10,8 +10,9 @@ and picks by the number of rows.
 Where the CPU has AMX-BF16, batches of up to ``AMX_MAX_ROWS`` rows go to our own kernel
 (``alignedserve/csrc/small_gemm.cpp``) instead: it streams each weight once in AMX tile order
 and is 1.3-2.4x faster than oneDNN's prepacked call at 4-128 rows (measured on the 2-core
-VM, 30 distinct layer weights so they come from memory, see docs/architecture.md) and
-1.2-1.8x faster than plain ``F.linear`` at 512; at 2048 oneDNN is faster. The 49k-wide LM
+VM, 30 distinct layer weights so they come from memory, see docs/architecture.md); summed
+over a layer's four shapes it is 1.25x / 1.4x / 1.1x faster than plain ``F.linear`` at 512 /
+768 / 1024 rows and 0.7x at 1536 (it re-reads the activations once per 32 output columns). The 49k-wide LM
 head only ties with oneDNN from 64 rows and loses at 256, so it stops at
 ``AMX_MAX_ROWS_LM_HEAD``. The kernel's results do not depend on the batch a row is in.
 
@@ -34,7 +35,7 @@ from alignedserve.executor.kernels import amx_linear_kernels
 log = logging.getLogger(__name__)
 
 PACKED_MAX_ROWS = 256  # above this many rows the plain call wins (see the module docstring)
-AMX_MAX_ROWS = 512  # layers: up to this many rows the AMX kernel wins (module docstring)
+AMX_MAX_ROWS = 1024  # layers: up to this many rows the AMX kernel wins (module docstring)
 AMX_MAX_ROWS_LM_HEAD = 128  # the LM head: up to here it wins or ties
 _PACK_HINT_ROWS = 64  # oneDNN picks its blocking for this batch size
 
