@@ -27,8 +27,11 @@
 // byte shift + fp16 convert). AVX512-BF16 dot products were tried and dropped: on the Sapphire
 // Rapids this was tuned on, vdpbf16ps issues every ~2 cycles, half the multiply rate of the two
 // FMA ports. Prefetching a few lines ahead inside a stream measured no gain over the hardware
-// prefetchers; prefetching the *next* item's rows while computing the current one does help
-// where the kernel is not bandwidth-bound (fp8 caches: 15-25% faster; bf16: unchanged).
+// prefetchers; requesting the next item's rows, and for bf16 this item's V during its score
+// pass, does help (see "Software prefetch" below). An AMX version of both products (scores as
+// K . Q^T tiles, P.V on bf16 P) was tried on the 2-core VM and was no faster cold (87-94 vs
+// 88-93 ms for 30 layers x 64 varied rows): tile stores, gathers out of token-major score
+// tiles and building V's pair layout per block cost what the FMAs did.
 
 // Narrow includes on purpose: <torch/extension.h> alone takes ~30 s to compile; these ~8 s.
 #include <ATen/Parallel.h>
@@ -326,29 +329,45 @@ inline void to_block_layout(const float* src, int64_t rows, int64_t dim, float s
 }
 
 // ----------------------------------------------------------------------------------------------
-// Cross-item prefetch. A thread's work is compute-bound when its rows sit in cache (~2x the
+// Software prefetch. A thread's work is compute-bound when its rows sit in cache (~2x the
 // cold rate here) and stalls on DRAM when they do not: each item starts fresh streams that the
-// hardware prefetchers pick up only after misses. So while a thread computes one item it asks
-// for the next item's K and V rows (into L2), a slice per score block, spread over the item.
+// hardware prefetchers pick up only after misses, and each pass streams one array at a time.
+// So during an item's score pass a thread asks (into L2, a slice per score block) for
+//   * the next item's K, so the next score pass starts on cached rows, and
+//   * with 2- and 4-byte caches, this item's own V, so K and V stream from DRAM together and
+//     the P.V pass reads V from L2: bf16 30 layers x 64 varied rows 83-86 vs 90-93 ms;
+//   * with fp8 caches, the next item's V instead (fp8 is compute-bound, not bandwidth-bound:
+//     there prefetching the current V measured ~3% slower, the next item's rows 15-25% faster).
 // ----------------------------------------------------------------------------------------------
 
 constexpr int64_t kLine = 64;
 
-struct Prefetcher {
-  const char* k = nullptr;
-  const char* v = nullptr;
-  int64_t bytes = 0;     // of K (and of V) still to request
-  int64_t per_step = 0;  // bytes of each requested per step()
+// Bytes [p, p + bytes) requested in equal slices, one slice per step().
+struct PrefetchRange {
+  const char* p = nullptr;
+  int64_t bytes = 0;
+  int64_t per_step = 0;
 
   inline void step() {
     const int64_t n = std::min(per_step, bytes);
-    for (int64_t off = 0; off < n; off += kLine) {
-      __builtin_prefetch(k + off, 0, 2);
-      __builtin_prefetch(v + off, 0, 2);
-    }
-    k += n;
-    v += n;
+    for (int64_t off = 0; off < n; off += kLine) __builtin_prefetch(p + off, 0, 2);
+    p += n;
     bytes -= n;
+  }
+};
+
+struct Prefetcher {
+  std::array<PrefetchRange, 2> ranges{};
+  int count = 0;
+
+  // Adds a range spread over `steps` calls of step().
+  void add(const void* p, int64_t bytes, int64_t steps) {
+    const int64_t lines = (bytes + kLine - 1) / kLine;
+    ranges[count++] = {static_cast<const char*>(p), bytes,
+                       (lines + steps - 1) / std::max<int64_t>(steps, 1) * kLine};
+  }
+  inline void step() {
+    for (int i = 0; i < count; ++i) ranges[i].step();
   }
 };
 
@@ -639,18 +658,22 @@ inline Plan plan_items(const int64_t* pos, int64_t rows, int64_t kv_heads, int64
   return plan;
 }
 
-// Prefetch of item `next`'s rows spread over the score blocks of item `cur` (items are sorted
-// longest first, so `next` is never longer and every block asks for at most a few lines).
+// What to prefetch during item `cur`'s score blocks (see "Software prefetch"); `next` is the
+// thread's next item or null. Items are sorted longest first, so `next` is never longer and
+// every block asks for at most a few lines per range.
 template <typename E>
-Prefetcher prefetch_for(const Problem& P, const Item& cur, const Item& next) {
-  const auto [k, v] = item_rows<E>(P, next);
-  Prefetcher pf;
-  pf.k = reinterpret_cast<const char*>(k);
-  pf.v = reinterpret_cast<const char*>(v);
-  pf.bytes = (next.end - next.begin) * P.dim * static_cast<int64_t>(sizeof(E));
+Prefetcher prefetch_for(const Problem& P, const Item& cur, const Item* next) {
+  const int64_t row_bytes = P.dim * static_cast<int64_t>(sizeof(E));
   const int64_t blocks = (cur.end - cur.begin + kLanes - 1) / kLanes;
-  const int64_t lines = (pf.bytes + kLine - 1) / kLine;
-  pf.per_step = (lines + blocks - 1) / blocks * kLine;
+  Prefetcher pf;
+  if (next != nullptr) {
+    const auto [k, v] = item_rows<E>(P, *next);
+    pf.add(k, (next->end - next->begin) * row_bytes, blocks);
+    if constexpr (sizeof(E) == 1) pf.add(v, (next->end - next->begin) * row_bytes, blocks);
+  }
+  if constexpr (sizeof(E) > 1) {
+    pf.add(item_rows<E>(P, cur).second, (cur.end - cur.begin) * row_bytes, blocks);
+  }
   return pf;
 }
 
@@ -664,8 +687,8 @@ void run_items(const Problem& P, const Plan& plan) {
     Scratch scratch(P.group, P.dim, plan.max_span);
     for (int64_t i = next.fetch_add(1); i < n_items;) {
       const int64_t following = next.fetch_add(1);
-      Prefetcher pf;
-      if (following < n_items) pf = prefetch_for<E>(P, plan.items[i], plan.items[following]);
+      Prefetcher pf = prefetch_for<E>(P, plan.items[i],
+                                      following < n_items ? &plan.items[following] : nullptr);
       run_item<E, NC, Pairs>(P, plan.items[i], scratch, pf);
       i = following;
     }
