@@ -26,7 +26,12 @@ class SchedulerConfig:
     max_queue: int = 100_000
     # aligned policy only:
     max_cohort_rows: int = 64  # cohorts above this are split
-    catchup_window: int = 8  # hold a small cohort up to this many steps so a shorter one meets it
+    # Hold a small cohort up to this many steps so a shorter one catches up and they merge.
+    # That pays only where decode pads a batch to its longest row (the simulator's padded and
+    # grouped kernels, where `alignedserve simulate` defaults to 8); this engine's decode
+    # attention reads each row's exact length, so a hold only delays the held cohort's tokens
+    # (served trace E2E p50 2.67 vs 2.83 s with 8, docs/benchmarks.md): 0 = never hold.
+    catchup_window: int = 0
     max_wait_steps: int = 16  # a ready cohort waits at most this many steps before it has priority
     max_inflight: int = 4096  # requests admitted at once (their KV in device or host tiers)
     # KV tokens one host->device link can carry during one step (0: unlimited). With several

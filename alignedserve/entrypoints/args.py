@@ -35,6 +35,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="aligned: cohorts larger than this are split")
     g.add_argument("--max-wait-steps", type=int, default=16,
                    help="aligned: steps a ready cohort may wait before it gets priority")
+    g.add_argument("--catchup-window", type=int, default=sched.catchup_window,
+                   help="aligned: hold a small cohort up to this many steps so a shorter one "
+                        "catches up and merges (0: never hold)")
     g.add_argument("--max-inflight", type=int, default=4096,
                    help="aligned: requests in flight at once (KV in device or host tier)")
     g.add_argument("--num-devices", type=int, default=1,
@@ -53,6 +56,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                                   align_tolerance=args.align_tolerance,
                                   max_cohort_rows=args.max_cohort_rows,
                                   max_wait_steps=args.max_wait_steps,
+                                  catchup_window=args.catchup_window,
                                   max_inflight=args.max_inflight,
                                   prefetch_link_tokens=args.prefetch_link_tokens),
         cache=CacheConfig(device_kv_gb=args.device_kv_gb, host_kv_gb=args.host_kv_gb,

@@ -115,6 +115,10 @@ def _add_policy_args(p: argparse.ArgumentParser) -> None:
                    help="aligned: requests admitted at once (device + host tiers)")
     g.add_argument("--max-wait-steps", type=int, default=16,
                    help="aligned: steps a ready cohort waits before it has priority")
+    g.add_argument("--catchup-window", type=int, default=8,
+                   help="aligned: hold a small cohort up to this many steps so a shorter one "
+                        "catches up and merges (pays where decode pads a batch to its longest "
+                        "row; the serving engine's default is 0, its kernels never pad)")
     g.add_argument("--device-kv-gb", type=float, default=None,
                    help="KV budget per device (default: memory - reserve - weights)")
     g.add_argument("--host-kv-gb", type=float, default=None,

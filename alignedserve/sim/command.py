@@ -39,7 +39,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         kv_reserve_tokens=args.kv_reserve_tokens, align_tolerance=args.align_tolerance,
         max_cohort_rows=args.max_cohort_rows, max_inflight=args.max_inflight,
-        max_wait_steps=args.max_wait_steps)
+        max_wait_steps=args.max_wait_steps, catchup_window=args.catchup_window)
     kernel = args.attention_kernel or node.attention_kernel
     launch = args.attention_launch or node.attention_launch
     return SimConfig(model, node, kernel, launch, sched,
