@@ -63,10 +63,10 @@ def _amx_tiles(weight: Tensor) -> tuple[ModuleType | None, Tensor | None]:
 class PackedLinear(nn.Module):
     """``y = x @ weight.T + bias`` for 2-D ``x``, with prepacked copies of ``weight``.
 
-    Invariant: ``packed`` (oneDNN's layout) and ``tiles`` (the AMX kernel's, or None) are
-    ``weight`` reordered and never go stale, because weights are frozen after loading (the
-    model is inference-only). ``weight`` may be shared with another module (a tied LM head
-    reads the embedding matrix).
+    Invariant: ``packed`` (oneDNN's layout, or None where the AMX kernel takes every batch
+    oneDNN would) and ``tiles`` (the AMX kernel's, or None) are ``weight`` reordered and never
+    go stale, because weights are frozen after loading (the model is inference-only).
+    ``weight`` may be shared with another module (a tied LM head reads the embedding matrix).
     """
 
     def __init__(self, weight: Tensor, bias: Tensor | None, max_rows: int = PACKED_MAX_ROWS,
@@ -76,17 +76,19 @@ class PackedLinear(nn.Module):
         self.bias = bias
         self.max_rows = max_rows
         self.amx_max_rows = amx_max_rows
-        self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(
-            weight.detach(), _PACK_HINT_ROWS), persistent=False)
         self._amx, tiles = _amx_tiles(weight)
         self.register_buffer("tiles", tiles, persistent=False)
+        # oneDNN's copy only where some batch size would use it (not when AMX covers them all).
+        needs_onednn = tiles is None or amx_max_rows < max_rows
+        self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(
+            weight.detach(), _PACK_HINT_ROWS) if needs_onednn else None, persistent=False)
 
     def forward(self, x: Tensor) -> Tensor:
         if x.dim() == 2:
             rows = x.shape[0]
             if self._amx is not None and rows <= self.amx_max_rows and x.stride(1) == 1:
                 return self._amx.amx_linear(x, self.tiles, self.bias)
-            if rows <= self.max_rows:
+            if rows <= self.max_rows and self.packed is not None:
                 return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none",
                                                           [], "")
         return F.linear(x, self.weight, self.bias)
