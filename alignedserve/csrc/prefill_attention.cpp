@@ -40,9 +40,7 @@
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && \
     defined(__AVX512BW__)
 #define ALIGNEDSERVE_AMX 1
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "amx.h"
 #endif
 
 namespace alignedserve {
@@ -54,33 +52,8 @@ constexpr int kQ = 16;  // queries per tile: one fp32 lane each
 constexpr int kT = 32;  // tokens per kv block: the bf16 depth of one AMX product
 constexpr float kLog2e = 1.4426950408889634f;
 
-// Linux grants the AMX tile state per process, on request (ARCH_REQ_XCOMP_PERM for
-// XFEATURE_XTILEDATA); without it the first tile instruction faults.
-bool amx_permitted() {
-  static const bool ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-  return ok;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette_id = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Eight tiles of 16 rows x 64 bytes; block_scores and block_values say how they are used.
-void configure_tiles() {
-  TileConfig cfg;
-  for (int i = 0; i < 8; ++i) {
-    cfg.rows[i] = 16;
-    cfg.colsb[i] = 64;
-  }
-  // GCC's _tile_loadconfig tells the compiler it reads only 8 bytes of the config, so without
-  // this barrier the other stores may be sunk past ldtilecfg (which then faults).
-  asm volatile("" ::: "memory");
-  _tile_loadconfig(&cfg);
-}
+// Tiles: amx::configure_tiles (eight of 16 rows x 64 bytes); block_scores and block_values say
+// how they are used.
 
 // 2^x for x <= 0 (scores minus their running max): degree-4 Taylor polynomial of e^(f ln2) on
 // f in [-0.5, 0.5], ~4e-5 relative error, well below the bf16 rounding of P (2^-9); degree 6
@@ -363,7 +336,7 @@ at::Tensor transpose_values(const at::Tensor& v, int64_t s_pad) {
 
 bool prefill_attention_available() {
 #ifdef ALIGNEDSERVE_AMX
-  return amx_permitted();
+  return amx::permitted();
 #else
   return false;
 #endif
@@ -400,7 +373,7 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at:
   const int64_t q_blocks = (T + kQ - 1) / kQ, items = q_blocks * KVH;
   std::atomic<int64_t> next{0};
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-    configure_tiles();
+    amx::configure_tiles();
     Scratch scratch(P);
     for (int64_t i = next.fetch_add(1); i < items; i = next.fetch_add(1)) {
       run_item(P, i % KVH, q_blocks - 1 - i / KVH, scratch);  // most keys first

@@ -38,9 +38,7 @@
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && \
     defined(__AVX512BW__)
 #define ALIGNEDSERVE_AMX 1
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "amx.h"
 #endif
 
 namespace alignedserve {
@@ -53,31 +51,8 @@ constexpr int64_t kCols = 16;  // output columns of a weight tile
 constexpr int64_t kDepth = 32; // bf16 products summed by one tile multiply
 constexpr int64_t kTileBytes = 1024;
 
-// Linux grants the AMX tile state per process, on request (see prefill_attention.cpp).
-bool amx_permitted() {
-  static const bool ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-  return ok;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette_id = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Tiles 0-3: accumulators C[m][n] (m, n in {0, 1}) at 0 + 2 m + n; 4-5: activations; 6-7:
-// weights. All 16 rows x 64 bytes.
-void configure_tiles() {
-  TileConfig cfg;
-  for (int i = 0; i < 8; ++i) {
-    cfg.rows[i] = 16;
-    cfg.colsb[i] = 64;
-  }
-  asm volatile("" ::: "memory");  // see prefill_attention.cpp: keep the stores before ldtilecfg
-  _tile_loadconfig(&cfg);
-}
+// Tile roles (amx::configure_tiles: all 16 rows x 64 bytes): 0-3 accumulators C[m][n] at
+// 2 m + n (m, n in {0, 1}), 4-5 activations, 6-7 weights.
 
 struct Problem {
   const uint16_t* x;     // [m_pad, K], zero rows past M
@@ -99,8 +74,8 @@ inline void store_tile(const Problem& P, const float* acc, int64_t row0, int64_t
   }
 }
 
-// Output columns [32 j, 32 j + 32) (or 16 when `pair` is false: the last odd block) for row
-// tiles m0 and m0 + 1 (when `two_rows`). The tile numbers are compile-time constants, as the
+// Output columns [32 j, 32 j + 32) (or 16 when kPair is false: the last odd block) for row
+// tiles m0 and m0 + 1 (m0 only when kTwoRows is false). The tile numbers are compile-time constants, as the
 // intrinsics require.
 template <bool kPair, bool kTwoRows>
 void block(const Problem& P, int64_t j, int64_t m0, float* acc) {
@@ -163,7 +138,7 @@ void column_pair(const Problem& P, int64_t j, float* acc) {
 
 bool amx_linear_available() {
 #ifdef ALIGNEDSERVE_AMX
-  return amx_permitted();
+  return amx::permitted();
 #else
   return false;
 #endif
@@ -214,7 +189,7 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed,
   // Contiguous ranges: each thread streams one run of weight memory front to back.
   at::parallel_for(0, pairs, 1, [&](int64_t lo, int64_t hi) {
     alignas(64) float acc[kRows * kCols];
-    configure_tiles();
+    amx::configure_tiles();
     for (int64_t j = lo; j < hi; ++j) column_pair(P, j, acc);
     _tile_release();
   });
