@@ -189,13 +189,18 @@ def decode_attention_reference(q: torch.Tensor, k_new: torch.Tensor, v_new: torc
     return out
 
 
-def amx_linear_kernels() -> ModuleType | None:
-    """The compiled module if it has the AMX small-batch linear (``amx_linear``, built with
-    AMX-BF16 and granted tile state by the OS) and kernels are not disabled; else None."""
+def _kernels_with(available: str) -> ModuleType | None:
+    """The compiled module if kernels are not disabled and its ``available()`` check (e.g.
+    ``"amx_linear_available"``: built with AMX-BF16, tile state granted by the OS) passes."""
     if kernels_disabled():
         return None
     module = load_kernels()
-    return module if module is not None and module.amx_linear_available() else None
+    return module if module is not None and getattr(module, available)() else None
+
+
+def amx_linear_kernels() -> ModuleType | None:
+    """The compiled module if it has the AMX small-batch linear (``amx_linear``); else None."""
+    return _kernels_with("amx_linear_available")
 
 
 # Below this much work (query tokens x keys) torch's SDPA is as fast: the kernel's per-call
@@ -207,12 +212,10 @@ def prefill_kernel_applies(q: torch.Tensor, num_tokens: int, num_keys: int) -> b
     """Whether ``prefill_attention`` takes a chunk of ``num_tokens`` queries over
     ``num_keys`` keys: a build and CPU with AMX-BF16, bf16, head_dim % 32 == 0, enough work."""
     dim = q.shape[-1]
-    if (kernels_disabled() or q.dtype != torch.bfloat16 or q.device.type != "cpu"
-            or dim % 32 or dim > _MAX_HEAD_DIM
+    if (q.dtype != torch.bfloat16 or q.device.type != "cpu" or dim % 32 or dim > _MAX_HEAD_DIM
             or num_tokens * num_keys < _MIN_PREFILL_KERNEL_WORK):
         return False
-    module = load_kernels()
-    return module is not None and module.prefill_attention_available()
+    return _kernels_with("prefill_attention_available") is not None
 
 
 def prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int,

@@ -11,10 +11,11 @@ Where the CPU has AMX-BF16, batches of up to ``AMX_MAX_ROWS`` rows go to our own
 (``alignedserve/csrc/small_gemm.cpp``) instead: it streams each weight once in AMX tile order
 and is 1.3-2.4x faster than oneDNN's prepacked call at 4-128 rows (measured on the 2-core
 VM, 30 distinct layer weights so they come from memory, see docs/architecture.md); summed
-over a layer's four shapes it is 1.25x / 1.4x / 1.1x faster than plain ``F.linear`` at 512 /
-768 / 1024 rows and 0.7x at 1536 (it re-reads the activations once per 32 output columns). The 49k-wide LM
-head only ties with oneDNN from 64 rows and loses at 256, so it stops at
-``AMX_MAX_ROWS_LM_HEAD``. The kernel's results do not depend on the batch a row is in.
+over a layer's four shapes it is 1.25x / 1.4x / 1.1x faster than plain ``F.linear`` at
+512 / 768 / 1024 rows and 0.7x at 1536 (it re-reads the activations once per 32 output
+columns). The 49k-wide LM head only ties with oneDNN from 64 rows and loses at 256, so it
+stops at ``AMX_MAX_ROWS_LM_HEAD``. The kernel's results do not depend on the batch a row is
+in. A layer whose every small batch goes to the kernel gets no oneDNN copy.
 
 Only bf16 weights on CPU are packed; float32 keeps plain ``F.linear`` (the float32 path must
 stay bit-identical to Hugging Face transformers). ``pack_linears`` is a no-op where torch has
