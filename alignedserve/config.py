@@ -46,6 +46,9 @@ class CacheConfig:
     host_kv_gb: float = 8.0
     num_devices: int = 1
     granularity: int = 16
+    # Lay bf16 caches out in AMX tile blocks (alignedserve.executor.kv_layout) where the CPU
+    # and build have AMX-BF16 and head_dim is 64; False keeps every cache token-major.
+    tiled_layout: bool = True
 
     def device_bytes(self) -> list[int]:
         return [int(self.device_kv_gb * GiB)] * self.num_devices

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from alignedserve.config import EngineConfig
+from alignedserve.executor.kernels import tiled_kv_applies
 from alignedserve.executor.kv_pool import KVPool
 from alignedserve.executor.runner import ModelExecutor
 from alignedserve.kv.store import HOST, KVStore
@@ -90,7 +91,11 @@ class LLMEngine:
                                          cache.granularity)
         tier_devices = {t: self._tier_device(i) for i, t in enumerate(self.store.device_tiers)}
         tier_devices[HOST] = torch.device("cpu")
-        pool = KVPool(tier_devices, mc.num_layers, mc.num_kv_heads, mc.head_dim, self.kv_dtype)
+        tiled = cache.tiled_layout and all(
+            tiled_kv_applies(self.kv_dtype, mc.head_dim, cache.granularity, d)
+            for d in tier_devices.values())
+        pool = KVPool(tier_devices, mc.num_layers, mc.num_kv_heads, mc.head_dim, self.kv_dtype,
+                      tiled)
         self.executor = ModelExecutor(self.loaded, pool, self.device, config.seed)
         self.scheduler = make_scheduler(config.policy, config.scheduler, self.store)
         self.stats = StepStats()

@@ -5,7 +5,7 @@ plus 128 decoded tokens), each row its own cache as in the engine; every call re
 row's KV once, so the rows come from DRAM. hot: 8 rows of 1,000 tokens, one layer, called
 repeatedly (~6 MB in bf16: stays in cache), i.e. the kernel's arithmetic rate.
 
-    python benchmarks/attention_micro.py [--dtypes bfloat16 float8_e5m2] [--threads 2]
+    python benchmarks/attention_micro.py [--dtypes bfloat16 float8_e5m2] [--threads 2] [--tiled]
 """
 
 from __future__ import annotations
@@ -30,17 +30,19 @@ def time_calls(fn, calls: int) -> float:
     return (time.perf_counter() - start) / calls
 
 
-def run(kernels, dtype: torch.dtype, lengths: list[int], layers: int, calls: int) -> float:
+def run(kernels, dtype: torch.dtype, lengths: list[int], layers: int, calls: int,
+        tiled: bool = False) -> float:
     """Seconds per pass over ``layers`` layers of all rows."""
     rows = len(lengths)
-    caches = [torch.randn(layers, 2, KV_HEADS, n + 256, DIM).to(dtype) for n in lengths]
+    caches = [torch.randn(layers, 2, KV_HEADS, (n + 256) // 16 * 16, DIM).to(dtype)
+              for n in lengths]
     q = torch.randn(rows, HEADS, DIM, dtype=torch.bfloat16)
     kv = torch.randn(rows, KV_HEADS, DIM, dtype=torch.bfloat16)
     pos = torch.tensor(lengths, dtype=torch.long)
 
     def one_pass() -> None:
         for layer in range(layers):
-            kernels.decode_attention(q, kv, kv, caches, pos, layer, DIM ** -0.5)
+            kernels.decode_attention(q, kv, kv, caches, pos, layer, DIM ** -0.5, tiled)
 
     return time_calls(one_pass, calls)
 
@@ -49,6 +51,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float8_e5m2"])
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--tiled", action="store_true",
+                        help="bf16 caches in the AMX tile layout (alignedserve.executor.kv_layout)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     kernels = load_kernels()
@@ -59,8 +63,8 @@ def main() -> None:
     for name in args.dtypes:
         dtype = getattr(torch, name)
         pairs = sum(varied) * KV_HEADS * LAYERS
-        cold = run(kernels, dtype, varied, LAYERS, calls=5)
-        hot = run(kernels, dtype, [1000] * 8, 1, calls=300)
+        cold = run(kernels, dtype, varied, LAYERS, calls=5, tiled=args.tiled)
+        hot = run(kernels, dtype, [1000] * 8, 1, calls=300, tiled=args.tiled)
         nbytes = pairs * 2 * DIM * dtype.itemsize
         print(f"{name}: cold {cold * 1e3:.1f} ms per 30 layers x 64 rows ({sum(varied)} tokens), "
               f"{nbytes / cold / 1e9:.1f} GB/s, {pairs / cold / 1e6:.0f} M (token, kv head)/s; "

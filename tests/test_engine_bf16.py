@@ -1,7 +1,7 @@
 """bfloat16 closeness: the engine's greedy tokens are ones float32 transformers also rates top.
 
-Run with the bf16 KV cache and with the 8-bit (fp8 e5m2) one, whose rounding of K/V costs
-more, so its bounds are looser.
+Run with the bf16 KV cache (in the AMX tile layout where this CPU has AMX, and token-major)
+and with the 8-bit (fp8 e5m2) one, whose rounding of K/V costs more, so its bounds are looser.
 
 Exact tokens cannot be expected in bf16, so for each step we teacher-force our bf16 sequence
 through transformers in float32 and check (a) our chosen token's logprob is within
@@ -15,6 +15,7 @@ import torch
 
 from alignedserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from alignedserve.engine import LLMEngine
+from alignedserve.executor.kernels import tiled_kv_applies
 from alignedserve.sampling_params import SamplingParams
 from tests.test_engine_parity import document
 
@@ -33,13 +34,17 @@ NEW = 16
 
 
 @torch.inference_mode()
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e5m2"])
+@pytest.mark.parametrize("kv_cache_dtype,tiled",
+                         [("auto", True), ("auto", False), ("fp8_e5m2", True)])
 def test_bf16_greedy_is_close_to_float32(default_model_path, default_model_fp32,
-                                          default_model_hf_fp32, kv_cache_dtype):
+                                          default_model_hf_fp32, kv_cache_dtype, tiled):
     doc = document(default_model_fp32.tokenizer)
     prompts = [doc[:16], doc[40:240], doc[100:800]]
     engine = LLMEngine(EngineConfig(dtype="bfloat16", kv_cache_dtype=kv_cache_dtype,
-                                    policy="aligned"))
+                                    policy="aligned", cache=CacheConfig(tiled_layout=tiled)))
+    if kv_cache_dtype == "auto":  # the tiled run must really take the tiled path where it can
+        assert engine.executor.pool.tiled == (tiled and tiled_kv_applies(
+            torch.bfloat16, 64, 16, torch.device("cpu")))
     params = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True, logprobs=0)
     for i, p in enumerate(prompts):
         engine.add_request(str(i), p, params)

@@ -5,6 +5,9 @@
 //           absolute position start + i.
 //   k, v  : [KVH, S, D] bf16 with S == start + T, token rows dense (stride(2) == 1,
 //           stride(1) == D; stride(0) free, so a layer slice of a request's cache works).
+//           With tiled = true they are instead the planes of a tiled cache
+//           (alignedserve/executor/kv_layout.py), [KVH, capacity >= S, D], capacity % 16 == 0;
+//           K is then copied to token-major rows first (V is transposed either way).
 //   out   : [T, H, D] bf16 = softmax(scale * q.k) . v over keys 0..start+i of kv head
 //           h / (H / KVH). Scores, softmax and the accumulators are fp32; the probabilities are
 //           rounded to bf16 for the P.V product, as torch's CPU flash attention does.
@@ -332,6 +335,49 @@ at::Tensor transpose_values(const at::Tensor& v, int64_t s_pad) {
   return vt;
 }
 
+// The same from a tiled cache's V plane (token pairs stored [D][2]): V^T row d is the 32-bit
+// word d of every pair, so whole pairs move at once.
+at::Tensor transpose_values_tiled(const at::Tensor& v, int64_t S, int64_t s_pad) {
+  const int64_t kvh = v.size(0), D = v.size(2), pairs = (S + 1) / 2;
+  at::Tensor vt = at::zeros({kvh, D, s_pad}, v.options());
+  const auto* src = reinterpret_cast<const uint32_t*>(v.data_ptr());
+  auto* dst = reinterpret_cast<uint32_t*>(vt.data_ptr());
+  const int64_t hs = v.stride(0) / 2;  // in pairs of bf16
+  at::parallel_for(0, kvh * D, 16, [&](int64_t lo, int64_t hi) {
+    for (int64_t i = lo; i < hi; ++i) {
+      const int64_t g = i / D, d = i % D;
+      uint32_t* row = dst + i * (s_pad / 2);
+      for (int64_t j = 0; j < pairs; ++j) row[j] = src[g * hs + j * D + d];
+    }
+  });
+  if (S % 2) {  // the last pair's second token lies past S: zero it
+    auto* v16 = reinterpret_cast<uint16_t*>(vt.data_ptr());
+    for (int64_t i = 0; i < kvh * D; ++i) v16[i * s_pad + S] = 0;
+  }
+  return vt;
+}
+
+// Token-major K rows [KVH, S, D] from a tiled cache's K plane (16-token blocks stored
+// [D/2][16][2]), for the A tiles of S^T = K . Q^T.
+at::Tensor untile_keys(const at::Tensor& k, int64_t S) {
+  const int64_t kvh = k.size(0), D = k.size(2);
+  at::Tensor rows = at::empty({kvh, S, D}, k.options());
+  const auto* src = reinterpret_cast<const uint32_t*>(k.data_ptr());
+  auto* dst = reinterpret_cast<uint32_t*>(rows.data_ptr());
+  const int64_t hs = k.stride(0) / 2, blocks = (S + 15) / 16;
+  at::parallel_for(0, kvh * blocks, 16, [&](int64_t lo, int64_t hi) {
+    for (int64_t i = lo; i < hi; ++i) {
+      const int64_t g = i / blocks, t0 = (i % blocks) * 16, t1 = std::min(S, t0 + 16);
+      const uint32_t* block = src + g * hs + t0 * D / 2;
+      for (int64_t t = t0; t < t1; ++t) {
+        uint32_t* row = dst + (g * S + t) * (D / 2);
+        for (int64_t p = 0; p < D / 2; ++p) row[p] = block[p * 16 + (t - t0)];
+      }
+    }
+  });
+  return rows;
+}
+
 #endif  // ALIGNEDSERVE_AMX
 
 bool prefill_attention_available() {
@@ -342,28 +388,34 @@ bool prefill_attention_available() {
 #endif
 }
 
-at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                             int64_t start, double scale) {
+at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_in, const at::Tensor& v,
+                             int64_t start, double scale, bool tiled) {
   TORCH_CHECK(prefill_attention_available(), "prefill_attention: AMX-BF16 is not available");
-  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "prefill_attention: 3-d tensors");
-  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 &&
+  TORCH_CHECK(q.dim() == 3 && k_in.dim() == 3 && v.dim() == 3, "prefill_attention: 3-d tensors");
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k_in.scalar_type() == at::kBFloat16 &&
                   v.scalar_type() == at::kBFloat16, "prefill_attention: bf16 only");
-  TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(),
+  TORCH_CHECK(q.device().is_cpu() && k_in.device().is_cpu() && v.device().is_cpu(),
               "prefill_attention: CPU tensors");
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2),
               "prefill_attention: q heads must be dense within a token row");
-  const int64_t T = q.size(0), H = q.size(1), D = q.size(2), KVH = k.size(0), S = k.size(1);
+  const int64_t T = q.size(0), H = q.size(1), D = q.size(2), KVH = k_in.size(0);
   TORCH_CHECK(D % 32 == 0 && D <= 256, "prefill_attention: head_dim must be a multiple of 32");
   TORCH_CHECK(KVH > 0 && H % KVH == 0, "prefill_attention: heads must be a multiple of kv heads");
-  TORCH_CHECK(v.sizes() == k.sizes() && k.size(2) == D, "prefill_attention: k/v shape");
-  TORCH_CHECK(k.stride(2) == 1 && k.stride(1) == D, "prefill_attention: k token rows dense");
+  TORCH_CHECK(v.sizes() == k_in.sizes() && k_in.size(2) == D, "prefill_attention: k/v shape");
+  TORCH_CHECK(k_in.stride(2) == 1 && k_in.stride(1) == D, "prefill_attention: k token rows dense");
   TORCH_CHECK(v.stride(2) == 1 && v.stride(1) == D, "prefill_attention: v token rows dense");
+  // Token-major k/v hold exactly the S = start + T keys; tiled planes hold at least S, in
+  // whole 16-token blocks.
+  const int64_t S = tiled ? start + T : k_in.size(1);
   TORCH_CHECK(start >= 0 && S == start + T, "prefill_attention: need S == start + T");
+  TORCH_CHECK(!tiled || (k_in.size(1) >= S && k_in.size(1) % 16 == 0),
+              "prefill_attention: tiled k/v must hold start + T positions, capacity % 16 == 0");
   at::Tensor out = at::empty({T, H, D}, q.options());
 #ifdef ALIGNEDSERVE_AMX
   if (T == 0) return out;
   const int64_t s_pad = (S + kT - 1) / kT * kT;
-  const at::Tensor vt = transpose_values(v, s_pad);
+  const at::Tensor k = tiled ? untile_keys(k_in, S) : k_in;
+  const at::Tensor vt = tiled ? transpose_values_tiled(v, S, s_pad) : transpose_values(v, s_pad);
   Problem P{reinterpret_cast<const uint16_t*>(q.data_ptr()), q.stride(0),
             reinterpret_cast<const uint16_t*>(k.data_ptr()), k.stride(0),
             reinterpret_cast<const uint16_t*>(vt.data_ptr()),
@@ -392,7 +444,8 @@ void register_prefill(pybind11::module_& m) {
         "True when this build has the AMX prefill kernel and the OS granted AMX state.");
   m.def("prefill_attention", &prefill_attention,
         "Causal attention of q (absolute positions start..start+T-1) over k/v [KVH, S, D] "
-        "(bf16, AMX).", arg("q"), arg("k"), arg("v"), arg("start"), arg("scale"));
+        "(bf16, AMX); tiled: k/v are a tiled cache's planes (alignedserve.executor.kv_layout).",
+        arg("q"), arg("k"), arg("v"), arg("start"), arg("scale"), arg("tiled") = false);
 }
 
 }  // namespace alignedserve

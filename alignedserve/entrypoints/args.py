@@ -40,6 +40,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "catches up and merges (0: never hold)")
     g.add_argument("--max-inflight", type=int, default=4096,
                    help="aligned: requests in flight at once (KV in device or host tier)")
+    g.add_argument("--no-tiled-kv", dest="tiled_kv", action="store_false",
+                   help="keep bf16 KV caches token-major (default: AMX tile blocks where the "
+                        "CPU has AMX-BF16 and head_dim is 64)")
     g.add_argument("--num-devices", type=int, default=1,
                    help="device KV tiers; devices beyond the first stage KV for it")
     g.add_argument("--prefetch-link-tokens", type=int, default=0,
@@ -60,4 +63,4 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                                   max_inflight=args.max_inflight,
                                   prefetch_link_tokens=args.prefetch_link_tokens),
         cache=CacheConfig(device_kv_gb=args.device_kv_gb, host_kv_gb=args.host_kv_gb,
-                          num_devices=args.num_devices))
+                          num_devices=args.num_devices, tiled_layout=args.tiled_kv))

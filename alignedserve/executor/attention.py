@@ -5,6 +5,7 @@ row. Linear layers run once over all of them; attention runs per prefill chunk (
 request's cache, causal: the AMX kernel of ``kernels.prefill_attention`` where it applies,
 torch's SDPA otherwise) and over all decode rows at once (one kernel call that
 appends each row's new K/V and attends over exactly that row's length: no padding).
+With ``tiled`` caches (``kv_layout``) prefill writes and reads go through ``kv_layout``.
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from alignedserve.executor import kv_layout
 from alignedserve.executor.kernels import (decode_attention, prefill_attention,
-                                           prefill_kernel_applies)
+                                           prefill_kernel_applies, write_tiled)
 
 
 @dataclass(slots=True)
@@ -29,8 +31,9 @@ class StepAttention:
     """AttentionBackend (see ``alignedserve.model.llama``) for one step's flattened tokens."""
 
     def __init__(self, prefills: list[PrefillSegment], decode_caches: list[torch.Tensor],
-                 decode_positions: torch.Tensor, scale: float):
+                 decode_positions: torch.Tensor, scale: float, tiled: bool = False):
         self.prefills = prefills
+        self.tiled = tiled
         self.decode_caches = decode_caches
         self.decode_positions = decode_positions
         self.scale = scale
@@ -66,7 +69,7 @@ class StepAttention:
             offset = end
         if self.decode_caches:
             out[offset:] = decode_attention(q[offset:], k[offset:], v[offset:], self.decode_caches,
-                                            self.decode_positions, layer, self.scale)
+                                            self.decode_positions, layer, self.scale, self.tiled)
         return out
 
     def _prefill(self, i: int, layer: int, q: torch.Tensor, k: torch.Tensor,
@@ -74,13 +77,22 @@ class StepAttention:
         seg = self.prefills[i]
         stop = seg.start + seg.num_tokens
         k_cache, v_cache = seg.cache[layer, 0], seg.cache[layer, 1]  # [kv_heads, cap, dim]
-        k_cache[:, seg.start:stop].copy_(k.transpose(0, 1))
-        v_cache[:, seg.start:stop].copy_(v.transpose(0, 1))
-        # Attend over what the cache holds (an 8-bit cache is widened to q's dtype), so prefill
-        # and decode see the same K/V values.
-        keys, values = k_cache[:, :stop].to(q.dtype), v_cache[:, :stop].to(q.dtype)
-        if self._use_kernel[i]:
-            return prefill_attention(q, keys, values, seg.start, self.scale)
+        if self.tiled:
+            write_tiled(seg.cache, layer, k, v, seg.start)
+            if self._use_kernel[i]:  # the kernel reads the planes' whole 16-token blocks
+                hi = kv_layout.round_up(stop)
+                return prefill_attention(q, k_cache[:, :hi], v_cache[:, :hi], seg.start,
+                                         self.scale, tiled=True)
+            keys = kv_layout.read(k_cache, stop, kv_layout.KEYS)
+            values = kv_layout.read(v_cache, stop, kv_layout.VALUES)
+        else:
+            k_cache[:, seg.start:stop].copy_(k.transpose(0, 1))
+            v_cache[:, seg.start:stop].copy_(v.transpose(0, 1))
+            # Attend over what the cache holds (an 8-bit cache is widened to q's dtype), so
+            # prefill and decode see the same K/V values.
+            keys, values = k_cache[:, :stop].to(q.dtype), v_cache[:, :stop].to(q.dtype)
+            if self._use_kernel[i]:
+                return prefill_attention(q, keys, values, seg.start, self.scale)
         mask = self._masks[i]
         o = F.scaled_dot_product_attention(
             q.transpose(0, 1).unsqueeze(0), keys.unsqueeze(0),

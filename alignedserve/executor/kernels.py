@@ -32,6 +32,8 @@ from types import ModuleType
 
 import torch
 
+from alignedserve.executor import kv_layout
+
 log = logging.getLogger(__name__)
 
 _EXT_NAME = "alignedserve_attention"
@@ -143,26 +145,29 @@ def _kernel_rejects(q: torch.Tensor, caches: list[torch.Tensor]) -> str | None:
 
 def decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                      caches: list[torch.Tensor], positions: torch.Tensor, layer: int,
-                     scale: float) -> torch.Tensor:
+                     scale: float, tiled: bool = False) -> torch.Tensor:
     """Append each row's new K/V at ``positions[b]`` and attend over ``0..positions[b]``.
 
     Shapes: q [B, H, D]; k_new, v_new [B, KVH, D] (cast to the cache dtype); caches[b]
     [layers, 2, KVH, capacity_b, D]; positions int64 [B] on CPU. Returns [B, H, D] in q's
     dtype. See the module docstring for the exact semantics shared with the reference.
+    ``tiled``: the caches use ``kv_layout``'s tiled layout (made only where
+    ``tiled_kv_applies``); the AMX kernel then rounds q and the probabilities to bf16.
     """
     if not kernels_disabled():
         reason = _kernel_rejects(q, caches)
         module = load_kernels() if reason is None else None
         if module is not None:
-            return module.decode_attention(q, k_new, v_new, caches, positions, layer, scale)
+            return module.decode_attention(q, k_new, v_new, caches, positions, layer, scale,
+                                           tiled)
         if reason is not None:
             _warn_once(f"decode-attention kernel skipped ({reason}); using the PyTorch reference")
-    return decode_attention_reference(q, k_new, v_new, caches, positions, layer, scale)
+    return decode_attention_reference(q, k_new, v_new, caches, positions, layer, scale, tiled)
 
 
 def decode_attention_reference(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                                caches: list[torch.Tensor], positions: torch.Tensor, layer: int,
-                               scale: float) -> torch.Tensor:
+                               scale: float, tiled: bool = False) -> torch.Tensor:
     """Pure-PyTorch decode attention with exactly ``decode_attention``'s semantics.
 
     One matmul -> softmax -> matmul per row in float32, GQA by viewing the row's query heads
@@ -179,10 +184,16 @@ def decode_attention_reference(q: torch.Tensor, k_new: torch.Tensor, v_new: torc
             raise ValueError(f"decode_attention: position {pos} outside capacity {cache.shape[3]}")
     out = torch.empty_like(q)
     for b, (cache, pos) in enumerate(zip(caches, pos_list)):
-        cache[layer, 0, :, pos].copy_(k_new[b])
-        cache[layer, 1, :, pos].copy_(v_new[b])
-        k = cache[layer, 0, :, : pos + 1].float()  # [kv_heads, n, dim]
-        v = cache[layer, 1, :, : pos + 1].float()
+        if tiled:
+            kv_layout.write(cache[layer, 0], pos, k_new[b].unsqueeze(1), kv_layout.KEYS)
+            kv_layout.write(cache[layer, 1], pos, v_new[b].unsqueeze(1), kv_layout.VALUES)
+            k = kv_layout.read(cache[layer, 0], pos + 1, kv_layout.KEYS).float()
+            v = kv_layout.read(cache[layer, 1], pos + 1, kv_layout.VALUES).float()
+        else:
+            cache[layer, 0, :, pos].copy_(k_new[b])
+            cache[layer, 1, :, pos].copy_(v_new[b])
+            k = cache[layer, 0, :, : pos + 1].float()  # [kv_heads, n, dim]
+            v = cache[layer, 1, :, : pos + 1].float()
         qg = q[b].float().reshape(k.shape[0], heads // k.shape[0], dim)
         probs = torch.softmax(torch.matmul(qg, k.transpose(1, 2)) * scale, dim=-1)
         out[b] = torch.matmul(probs, v).reshape(heads, dim).to(q.dtype)
@@ -196,6 +207,16 @@ def _kernels_with(available: str) -> ModuleType | None:
         return None
     module = load_kernels()
     return module if module is not None and getattr(module, available)() else None
+
+
+def tiled_kv_applies(dtype: torch.dtype, head_dim: int, granularity: int,
+                     device: torch.device) -> bool:
+    """Whether KV caches of this kind should use ``kv_layout``'s tiled layout: bf16 on CPU,
+    head_dim 64, capacities in multiples of 16, and a build and CPU with AMX-BF16."""
+    if (dtype != torch.bfloat16 or head_dim != 64 or device.type != "cpu"
+            or granularity % kv_layout.CAPACITY_MULTIPLE):
+        return False
+    return _kernels_with("tiled_kv_available") is not None
 
 
 def amx_linear_kernels() -> ModuleType | None:
@@ -219,11 +240,24 @@ def prefill_kernel_applies(q: torch.Tensor, num_tokens: int, num_keys: int) -> b
 
 
 def prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int,
-                      scale: float) -> torch.Tensor:
+                      scale: float, tiled: bool = False) -> torch.Tensor:
     """Causal attention of prefill queries ``q`` [T, H, D] (absolute positions start..start+T-1)
     over ``keys`` / ``values`` [KVH, start + T, D] on the AMX kernel
     (``alignedserve/csrc/prefill_attention.cpp``); same semantics as SDPA with a bottom-right
-    causal mask and GQA. Call only where ``prefill_kernel_applies``."""
+    causal mask and GQA. ``tiled``: keys / values are instead a tiled cache's K and V planes
+    (``kv_layout``). Call only where ``prefill_kernel_applies``."""
     module = load_kernels()
     assert module is not None, "prefill_attention without prefill_kernel_applies"
-    return module.prefill_attention(q, keys, values, start, scale)
+    return module.prefill_attention(q, keys, values, start, scale, tiled)
+
+
+def write_tiled(cache: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor,
+                start: int) -> None:
+    """Store ``k``, ``v`` [T, KVH, D] at positions start.. of ``cache``'s layer ``layer``, in
+    ``kv_layout``'s tiled layout (the compiled writer, or ``kv_layout.write``)."""
+    module = None if kernels_disabled() else load_kernels()
+    if module is not None:
+        module.write_tiled(cache, layer, k, v, start)
+        return
+    kv_layout.write(cache[layer, 0], start, k.transpose(0, 1), kv_layout.KEYS)
+    kv_layout.write(cache[layer, 1], start, v.transpose(0, 1), kv_layout.VALUES)

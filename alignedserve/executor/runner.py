@@ -61,7 +61,8 @@ class ModelExecutor:
             samplers.append(request)
         positions += decode_positions
         attn = StepAttention(segments, [self.pool.get(r.kv) for r in decode],
-                             torch.tensor(decode_positions, dtype=torch.int64), self.scale)
+                             torch.tensor(decode_positions, dtype=torch.int64), self.scale,
+                             self.pool.tiled)
         input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
         pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
         hidden = self.model(input_ids, pos, attn)

@@ -1,0 +1,166 @@
+"""The tiled bf16 KV layout (alignedserve.executor.kv_layout) and the kernels that read it.
+
+The layout helpers are pure PyTorch and always tested. The compiled writer, the AMX decode
+path and the prefill kernel's tiled input are skipped where the build or CPU has no AMX-BF16
+(the engine then keeps caches token-major).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from alignedserve.executor import kernels, kv_layout
+from alignedserve.executor.kernels import decode_attention_reference
+
+KV_HEADS, HEADS, DIM, LAYERS = 3, 9, 64, 2
+
+
+def random_bf16(*shape: int, gen: torch.Generator) -> torch.Tensor:
+    return torch.randn(*shape, generator=gen).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("shape", [kv_layout.KEYS, kv_layout.VALUES])
+def test_write_then_read_is_token_major(shape):
+    gen = torch.Generator().manual_seed(0)
+    rng = random.Random(0)
+    cap = 96
+    for _ in range(40):
+        plane = random_bf16(KV_HEADS, cap, DIM, gen=gen)
+        expect = kv_layout.read(plane, cap, shape).clone()
+        start = rng.randrange(cap)
+        x = random_bf16(KV_HEADS, rng.randrange(1, cap - start + 1), DIM, gen=gen)
+        kv_layout.write(plane, start, x, shape)
+        expect[:, start:start + x.shape[1]] = x
+        assert torch.equal(kv_layout.read(plane, cap, shape), expect), (start, x.shape)
+
+
+def test_element_offsets_are_the_documented_ones():
+    """K: 16-token blocks stored [dim/2][16][2]; V: token pairs stored [dim][2]."""
+    tokens = torch.arange(32 * DIM, dtype=torch.float32).view(1, 32, DIM).to(torch.bfloat16)
+    for shape, offset in [
+        (kv_layout.KEYS, lambda t, d: t // 16 * 16 * DIM + d // 2 * 32 + t % 16 * 2 + d % 2),
+        (kv_layout.VALUES, lambda t, d: t // 2 * 2 * DIM + d * 2 + t % 2),
+    ]:
+        plane = torch.zeros(1, 32, DIM, dtype=torch.bfloat16)
+        kv_layout.write(plane, 0, tokens, shape)
+        flat = plane.view(-1)
+        for t, d in [(0, 0), (1, 0), (0, 1), (17, 37), (31, 63), (6, 40)]:
+            assert flat[offset(t, d)] == tokens[0, t, d]
+
+
+@pytest.fixture(scope="module")
+def ext():
+    module = None if kernels.kernels_disabled() else kernels.load_kernels()
+    if module is None or not module.tiled_kv_available():
+        pytest.skip("no AMX decode kernel for tiled caches in this build / on this CPU")
+    return module
+
+
+def test_compiled_writer_matches_layout(ext):
+    gen = torch.Generator().manual_seed(1)
+    for start, count in [(0, 1), (0, 16), (5, 40), (15, 2), (31, 33), (64, 100)]:
+        cache = random_bf16(LAYERS, 2, KV_HEADS, 176, DIM, gen=gen)
+        expect = cache.clone()
+        k = random_bf16(count, KV_HEADS, DIM, gen=gen)
+        v = random_bf16(count, KV_HEADS, DIM, gen=gen)
+        ext.write_tiled(cache, 1, k, v, start)
+        kv_layout.write(expect[1, 0], start, k.transpose(0, 1), kv_layout.KEYS)
+        kv_layout.write(expect[1, 1], start, v.transpose(0, 1), kv_layout.VALUES)
+        assert torch.equal(cache.view(torch.int16), expect.view(torch.int16)), (start, count)
+
+
+def tiled_rows(lengths: list[int], gen: torch.Generator) -> list[torch.Tensor]:
+    """Tiled caches whose slots from position length-1 on hold NaN (read one: NaN output)."""
+    caches = []
+    for i, n in enumerate(lengths):
+        cache = random_bf16(LAYERS, 2, KV_HEADS, kv_layout.round_up(n + 3 * i), DIM, gen=gen)
+        for layer in range(LAYERS):
+            for j, shape in enumerate((kv_layout.KEYS, kv_layout.VALUES)):
+                plane = cache[layer, j]
+                tail = torch.full((KV_HEADS, plane.shape[1] - n + 1, DIM), float("nan"))
+                kv_layout.write(plane, n - 1, tail, shape)
+        caches.append(cache)
+    return caches
+
+
+# Lengths around the 16-token K blocks, the 32-token P.V rounds, the 2048-token span limit
+# (longer rows are split and merged) and rows that fill their capacity.
+LENGTH_SETS = [[1], [2, 15, 16, 17], [31, 32, 33, 64, 300], [2049, 5000, 17], [1000] * 8]
+
+
+@pytest.mark.parametrize("lengths", LENGTH_SETS)
+def test_tiled_decode_matches_reference(ext, lengths):
+    gen = torch.Generator().manual_seed(len(lengths))
+    caches = tiled_rows(lengths, gen)
+    expect_caches = [c.clone() for c in caches]
+    rows = len(lengths)
+    q = (torch.randn(rows, HEADS, DIM, generator=gen) * 2).to(torch.bfloat16)
+    k_new = random_bf16(rows, KV_HEADS, DIM, gen=gen)
+    v_new = random_bf16(rows, KV_HEADS, DIM, gen=gen)
+    pos = torch.tensor([n - 1 for n in lengths])
+    out = ext.decode_attention(q, k_new, v_new, caches, pos, 1, DIM ** -0.5, True)
+    expect = decode_attention_reference(q, k_new, v_new, expect_caches, pos, 1, DIM ** -0.5,
+                                        tiled=True)
+    # bf16 output rounding plus the bf16 rounding of q.k's probabilities (as in prefill)
+    torch.testing.assert_close(out.float(), expect.float(), atol=2e-2, rtol=2e-2)
+    for got, want in zip(caches, expect_caches):  # the new tokens, and nothing else, written
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+def test_reference_reads_the_same_values_in_either_layout():
+    gen = torch.Generator().manual_seed(3)
+    lengths = [5, 40]
+    flat = [random_bf16(LAYERS, 2, KV_HEADS, 48, DIM, gen=gen) for _ in lengths]
+    tiled = [torch.empty_like(c) for c in flat]
+    for src, dst in zip(flat, tiled):
+        for layer in range(LAYERS):
+            kv_layout.write(dst[layer, 0], 0, src[layer, 0], kv_layout.KEYS)
+            kv_layout.write(dst[layer, 1], 0, src[layer, 1], kv_layout.VALUES)
+    q = random_bf16(2, HEADS, DIM, gen=gen)
+    k_new, v_new = random_bf16(2, KV_HEADS, DIM, gen=gen), random_bf16(2, KV_HEADS, DIM, gen=gen)
+    pos = torch.tensor([n - 1 for n in lengths])
+    a = decode_attention_reference(q, k_new, v_new, flat, pos, 0, 0.125)
+    b = decode_attention_reference(q, k_new, v_new, tiled, pos, 0, 0.125, tiled=True)
+    assert torch.equal(a, b)
+
+
+def test_tiled_decode_rejects_what_it_cannot_take(ext):
+    gen = torch.Generator().manual_seed(4)
+    q = random_bf16(1, HEADS, DIM, gen=gen)
+    kv = random_bf16(1, KV_HEADS, DIM, gen=gen)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        ext.decode_attention(q, kv, kv, [random_bf16(1, 2, KV_HEADS, 40, DIM, gen=gen)],
+                             torch.tensor([3]), 0, 0.125, True)
+    with pytest.raises(ValueError, match="bf16 with head_dim 64"):
+        ext.decode_attention(q.float(), kv.float(), kv.float(),
+                             [torch.zeros(1, 2, KV_HEADS, 32, DIM)], torch.tensor([3]), 0,
+                             0.125, True)
+
+
+@pytest.mark.parametrize("start,count", [(0, 100), (0, 700), (37, 500), (1024, 1023), (900, 77)])
+def test_prefill_kernel_reads_tiled_planes(ext, start, count):
+    """Bit-identical to the kernel on the same values laid out token-major."""
+    if not ext.prefill_attention_available():
+        pytest.skip("no AMX prefill kernel")
+    gen = torch.Generator().manual_seed(start + count)
+    stop = start + count
+    keys, values = random_bf16(KV_HEADS, stop, DIM, gen=gen), random_bf16(KV_HEADS, stop, DIM, gen=gen)
+    cache = random_bf16(LAYERS, 2, KV_HEADS, kv_layout.round_up(stop + 20), DIM, gen=gen)
+    ext.write_tiled(cache, 1, keys.transpose(0, 1), values.transpose(0, 1), 0)
+    q = random_bf16(count, HEADS, DIM, gen=gen)
+    hi = kv_layout.round_up(stop)
+    got = ext.prefill_attention(q, cache[1, 0, :, :hi], cache[1, 1, :, :hi], start, 0.125, True)
+    assert torch.equal(got, ext.prefill_attention(q, keys, values, start, 0.125))
+
+
+def test_engine_uses_tiled_caches_only_where_they_apply(ext):
+    from alignedserve.executor.kernels import tiled_kv_applies
+    cpu = torch.device("cpu")
+    assert tiled_kv_applies(torch.bfloat16, 64, 16, cpu)
+    assert not tiled_kv_applies(torch.float32, 64, 16, cpu)
+    assert not tiled_kv_applies(torch.float8_e5m2, 64, 16, cpu)
+    assert not tiled_kv_applies(torch.bfloat16, 128, 16, cpu)
+    assert not tiled_kv_applies(torch.bfloat16, 64, 8, cpu)
