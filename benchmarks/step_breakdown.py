@@ -2,11 +2,12 @@
 
 Runs one synthetic workload through ``LLMEngine.step`` (no server, no client) and sums each
 kind of step's wall time; for decode-only steps with all rows present it reports the mean
-step time and KV tokens read. Engine options are ``key=value`` (EngineConfig fields and
-SchedulerConfig fields), e.g.
+step time and KV tokens read. Engine options are ``key=value`` (EngineConfig, SchedulerConfig
+and CacheConfig fields; 0/1 for booleans), e.g.
 
     python benchmarks/step_breakdown.py --workload varied kv_cache_dtype=fp8_e5m2
     python benchmarks/step_breakdown.py --workload uniform policy=fcfs max_num_batched_tokens=2048
+    python benchmarks/step_breakdown.py --workload varied tiled_layout=0
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import time
 import numpy as np
 
 from alignedserve.bench.workloads import synthetic
-from alignedserve.config import EngineConfig, SchedulerConfig
+from alignedserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from alignedserve.engine import LLMEngine
 from alignedserve.sampling_params import SamplingParams
 
@@ -30,21 +31,26 @@ WORKLOADS = {
 
 
 def engine_config(options: list[str]) -> EngineConfig:
-    """EngineConfig from ``key=value`` strings (scheduler fields go to SchedulerConfig)."""
+    """EngineConfig from ``key=value`` strings (scheduler and cache fields go to their configs)."""
     engine_fields = {f.name for f in dataclasses.fields(EngineConfig)}
     sched_fields = {f.name for f in dataclasses.fields(SchedulerConfig)}
+    cache_fields = {f.name for f in dataclasses.fields(CacheConfig)}
     engine_kw: dict = {"dtype": "bfloat16", "num_threads": 2}
     sched_kw: dict = {}
+    cache_kw: dict = {}
     for option in options:
         key, _, text = option.partition("=")
         value = int(text) if text.lstrip("-").isdigit() else text
         if key in sched_fields:
             sched_kw[key] = value
+        elif key in cache_fields:
+            cache_kw[key] = value
         elif key in engine_fields:
             engine_kw[key] = value
         else:
             raise SystemExit(f"unknown option {key!r}")
-    return EngineConfig(**engine_kw, scheduler=SchedulerConfig(**sched_kw))
+    return EngineConfig(**engine_kw, scheduler=SchedulerConfig(**sched_kw),
+                        cache=CacheConfig(**cache_kw))
 
 
 def main() -> None:

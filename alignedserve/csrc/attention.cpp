@@ -715,9 +715,9 @@ void run_items(const Problem& P, const Plan& plan) {
 // The softmax between them (fp32, log2 domain) is vector code over each head's score row; P is
 // rounded to bf16 for the product, as the prefill kernel and torch's CPU flash attention do.
 // Against the FMA kernel on the token-major layout (30 layers x 64 varied rows, 2 threads):
-// 22.4 vs 19.0 GB/s of KV; a pure tile-load read of the same rows runs 25.2. Software prefetch
-// measured no gain here (the next item's K or this item's V into L2, as the FMA kernel does;
-// the next round's lines into L1), so there is none.
+// 22.0 vs 18.8 GB/s of KV; a pure tile-load read of the same rows runs 25.2. Short rows gain
+// less (641-token rows +3%) or lose (200-token rows ~10% slower): each item then starts cold
+// streams, and its fixed costs (tails, three passes) weigh more.
 // ----------------------------------------------------------------------------------------------
 #ifdef ALIGNEDSERVE_AMX
 
@@ -775,13 +775,15 @@ struct TiledScratch {
 // Pass 1: raw scores q.k of the span's n tokens into s.scores[h * padded + t] (t < n rounded
 // up to 16; the rest unwritten). Two K blocks per round into score tiles 4 and 5.
 void tiled_scores(const uint16_t* q, const uint16_t* k, int64_t n, int64_t padded,
-                  TiledScratch& s) {
+                  TiledScratch& s, Prefetcher& pf) {
   _tile_loadd(0, q, kTiledDim * 2);
   _tile_loadd(1, q + 32, kTiledDim * 2);
   const int64_t full = n / kKeyBlock, stride = padded * 4;
   int64_t b = 0;
   for (; b + 1 < full; b += 2) {
     const uint16_t* kb = k + b * kKeyBlock * kTiledDim;
+    pf.step();
+    pf.step();
     _tile_zero(4);
     _tile_zero(5);
     _tile_loadd(2, kb, 64);
@@ -855,9 +857,11 @@ void tiled_values(const uint16_t* v, int64_t n, int64_t padded, TiledScratch& s)
     const uint16_t* vb = v + t0 * kTiledDim;  // token pairs are 2 * 64 elements apart
     const int64_t have = n - t0;
     if (have < kPairBlock) {  // zero the tokens past the span (0 * NaN would poison P.V)
-      std::memcpy(s.vtail, vb, (have + 1) / 2 * 2 * kTiledDim * 2);
-      for (int64_t t = have; t < kPairBlock; ++t) {
-        for (int64_t d = 0; d < kTiledDim; ++d) s.vtail[(t / 2) * 2 * kTiledDim + 2 * d + t % 2] = 0;
+      const int64_t pairs = (have + 1) / 2, pair_elems = 2 * kTiledDim;
+      std::memcpy(s.vtail, vb, pairs * pair_elems * 2);
+      std::memset(s.vtail + pairs * pair_elems, 0, (kPairBlock / 2 - pairs) * pair_elems * 2);
+      if (have % 2) {  // the last pair's second token
+        for (int64_t d = 0; d < kTiledDim; ++d) s.vtail[(pairs - 1) * pair_elems + 2 * d + 1] = 0;
       }
       vb = s.vtail;
     }
@@ -880,17 +884,28 @@ void tiled_values(const uint16_t* v, int64_t n, int64_t padded, TiledScratch& s)
   }
 }
 
-void run_item_tiled(const Problem& P, const Item& it, TiledScratch& s) {
+void run_item_tiled(const Problem& P, const Item& it, TiledScratch& s, Prefetcher& pf) {
   const int64_t n = it.end - it.begin;
   const int64_t padded = (n + kPairBlock - 1) / kPairBlock * kPairBlock;
   // Spans start at multiples of 16 (choose_span), so the token-major offset of the first token
   // is also where its K block and its V pair start.
   const auto [k, v] = item_rows<uint16_t>(P, it);
   const uint16_t* q = P.q_bf16 + (it.row * P.heads + it.kv_head * P.group) * kTiledDim;
-  tiled_scores(q, k, n, padded, s);
+  tiled_scores(q, k, n, padded, s, pf);
   tiled_softmax(P.group, n, padded, P.qscale, s);
   tiled_values(v, n, padded, s);
   finish_item(P, it, s.acc, s.mx, s.sum);
+}
+
+// During an item's score rounds, its own V into L2 (so the P.V pass reads it from there), as
+// the FMA kernel does for bf16: 30 layers x 64 varied rows 70.9 vs 73.4 ms, uniform 641-token
+// rows 47.2 vs 48.3 ms. Also asking for the next item's K was faster on uniform rows and
+// slower on varied ones; the next K alone, or lines just ahead into L1, gained nothing.
+Prefetcher prefetch_own_values(const Problem& P, const Item& it) {
+  Prefetcher pf;
+  pf.add(item_rows<uint16_t>(P, it).second, (it.end - it.begin) * kTiledDim * 2,
+         (it.end - it.begin + kKeyBlock - 1) / kKeyBlock);
+  return pf;
 }
 
 void run_items_tiled(const Problem& P, const Plan& plan) {
@@ -900,7 +915,8 @@ void run_items_tiled(const Problem& P, const Plan& plan) {
     configure_tiled_tiles(P.group);
     TiledScratch scratch(P.group, plan.max_span);
     for (int64_t i = next.fetch_add(1); i < n_items; i = next.fetch_add(1)) {
-      run_item_tiled(P, plan.items[i], scratch);
+      Prefetcher pf = prefetch_own_values(P, plan.items[i]);
+      run_item_tiled(P, plan.items[i], scratch, pf);
     }
     _tile_release();
   });
