@@ -3,7 +3,8 @@
 #   PEERS=/path/to/peers benchmarks/run_side_by_side.sh OUTDIR [WORKLOAD...]
 # PEERS holds start_vllm.sh (port 8101) and start_llamacpp.sh (port 8102), installed as in
 # ../shared/peers/README.md; missing ones are skipped. Targets: env TARGETS (default all); a
-# target NAME-fp8 (aligned-fp8, vllm-fp8, ...) runs NAME with an fp8 e5m2 KV cache.
+# target NAME-fp8 (aligned-fp8, vllm-fp8, ...) runs NAME with an fp8 e5m2 KV cache, and
+# NAME-flat (aligned-flat, fcfs-flat) ours with token-major bf16 caches (--no-tiled-kv).
 # Workloads: varied, uniform (synthetic), conv, code (Azure 2023 traces from TRACE_DIR).
 set -uo pipefail
 OUT=${1:?output dir}; shift
@@ -31,7 +32,9 @@ bench_args() {  # workload name -> bench arguments
 
 start() {  # target -> sets PID and PORT
   local engine=${1%-fp8} kv=()
+  engine=${engine%-flat}
   [[ $1 == *-fp8 ]] && kv=(--kv-cache-dtype fp8_e5m2)
+  [[ $1 == *-flat ]] && kv=(--no-tiled-kv)
   case $engine in
     vllm) PORT=8101; "$PEERS/start_vllm.sh" "${kv[@]}" > "$OUT/$1.log" 2>&1 & PID=$! ;;
     llamacpp) PORT=8102; "$PEERS/start_llamacpp.sh" --no-cache-prompt > "$OUT/$1.log" 2>&1 & PID=$! ;;
