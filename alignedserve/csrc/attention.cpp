@@ -745,30 +745,28 @@ struct TiledScratch {
   int64_t padded_cap;  // score row length: longest span rounded up to kPairBlock
   float* scores;       // [group][padded_cap]
   uint16_t* probs;     // [group][padded_cap], bf16
-  uint16_t* ktail;     // [kKeyBlock * 64]: a span's last, partial K block, zero past its end
   uint16_t* vtail;     // [kPairBlock * 64]: the last V pairs, zero past the span's end
   float* acc;          // [group][64]
   float mx[16], sum[16];
 
   TiledScratch(int64_t group, int64_t max_span)
       : padded_cap((max_span + kPairBlock - 1) / kPairBlock * kPairBlock) {
-    const int64_t sizes[] = {group * padded_cap, group * padded_cap / 2, kKeyBlock * 32,
-                             kPairBlock * 32, group * kTiledDim};
+    const int64_t sizes[] = {group * padded_cap, group * padded_cap / 2, kPairBlock * 32,
+                             group * kTiledDim};
     int64_t words = 16;
     for (int64_t n : sizes) words += (n + 15) / 16 * 16;
     raw.assign(words, 0u);
     auto* base = reinterpret_cast<uint32_t*>(
         (reinterpret_cast<uintptr_t>(raw.data()) + 63) & ~uintptr_t{63});
-    uint32_t* parts[5];
-    for (int i = 0; i < 5; ++i) {
+    uint32_t* parts[4];
+    for (int i = 0; i < 4; ++i) {
       parts[i] = base;
       base += (sizes[i] + 15) / 16 * 16;
     }
     scores = reinterpret_cast<float*>(parts[0]);
     probs = reinterpret_cast<uint16_t*>(parts[1]);
-    ktail = reinterpret_cast<uint16_t*>(parts[2]);
-    vtail = reinterpret_cast<uint16_t*>(parts[3]);
-    acc = reinterpret_cast<float*>(parts[4]);
+    vtail = reinterpret_cast<uint16_t*>(parts[2]);
+    acc = reinterpret_cast<float*>(parts[3]);
   }
 };
 
@@ -797,16 +795,11 @@ void tiled_scores(const uint16_t* q, const uint16_t* k, int64_t n, int64_t padde
     _tile_stored(4, s.scores + b * kKeyBlock, stride);
     _tile_stored(5, s.scores + (b + 1) * kKeyBlock, stride);
   }
+  // A partial last block is read in place: the tokens past the span (inside the capacity, which
+  // is whole blocks) may hold anything, even NaN bits, but a score column depends only on its
+  // own token and tiled_softmax masks those columns to -inf.
   for (; b * kKeyBlock < n; ++b) {
     const uint16_t* kb = k + b * kKeyBlock * kTiledDim;
-    const int64_t have = n - b * kKeyBlock;
-    if (have < kKeyBlock) {  // the rows past the span may hold anything, even NaN bits
-      std::memcpy(s.ktail, kb, kKeyBlock * kTiledDim * 2);
-      for (int64_t pair = 0; pair < kTiledDim / 2; ++pair) {
-        std::memset(s.ktail + (pair * kKeyBlock + have) * 2, 0, (kKeyBlock - have) * 4);
-      }
-      kb = s.ktail;
-    }
     _tile_zero(4);
     _tile_loadd(2, kb, 64);
     _tile_loadd(3, kb + 512, 64);
@@ -1028,19 +1021,41 @@ void write_tiled(const at::Tensor& cache, int64_t layer, const at::Tensor& k, co
   const auto* ks = reinterpret_cast<const uint16_t*>(kc.data_ptr());
   const auto* vs = reinterpret_cast<const uint16_t*>(vc.data_ptr());
   auto* base = reinterpret_cast<uint16_t*>(cache.data_ptr()) + layer * cache.stride(0);
-  for (int64_t g = 0; g < kv_heads; ++g) {
-    uint16_t* kp = base + g * cache.stride(2);
-    uint16_t* vp = base + cache.stride(1) + g * cache.stride(2);
-    for (int64_t i = 0; i < T; ++i) {
-      const int64_t t = start + i;
-      const uint16_t* kn = ks + (i * kv_heads + g) * dim;
-      const uint16_t* vn = vs + (i * kv_heads + g) * dim;
-      uint16_t* kb = kp + t / 16 * 16 * dim + t % 16 * 2;
-      for (int64_t pair = 0; pair < dim / 2; ++pair) std::memcpy(kb + pair * 32, kn + 2 * pair, 4);
-      uint16_t* vb = vp + t / 2 * 2 * dim + t % 2;
-      for (int64_t d = 0; d < dim; ++d) vb[2 * d] = vn[d];
+  // One task per (plane, kv head); K moves 32-bit dim pairs, V whole token pairs where it can.
+  at::parallel_for(0, 2 * kv_heads, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t task = lo; task < hi; ++task) {
+      const int64_t g = task % kv_heads;
+      uint16_t* plane = base + (task / kv_heads) * cache.stride(1) + g * cache.stride(2);
+      const uint16_t* src = (task < kv_heads ? ks : vs) + g * dim;
+      const int64_t src_stride = kv_heads * dim;  // between tokens
+      if (task < kv_heads) {
+        for (int64_t i = 0; i < T; ++i) {
+          const int64_t t = start + i;
+          uint16_t* kb = plane + t / 16 * 16 * dim + t % 16 * 2;
+          for (int64_t pair = 0; pair < dim / 2; ++pair) {
+            std::memcpy(kb + pair * 32, src + i * src_stride + 2 * pair, 4);
+          }
+        }
+        continue;
+      }
+      for (int64_t i = 0; i < T;) {
+        const int64_t t = start + i;
+        uint16_t* vb = plane + t / 2 * 2 * dim;
+        const uint16_t* a = src + i * src_stride;
+        if (t % 2 == 0 && i + 1 < T) {  // a whole pair: interleave two rows
+          const uint16_t* b = a + src_stride;
+          for (int64_t d = 0; d < dim; ++d) {
+            vb[2 * d] = a[d];
+            vb[2 * d + 1] = b[d];
+          }
+          i += 2;
+        } else {
+          for (int64_t d = 0; d < dim; ++d) vb[2 * d + t % 2] = a[d];
+          i += 1;
+        }
+      }
     }
-  }
+  });
 }
 
 // Input checks raise ValueError in Python (TORCH_CHECK_VALUE), like the PyTorch reference.
