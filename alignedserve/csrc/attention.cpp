@@ -8,6 +8,9 @@
 //   q        : [B, heads, head_dim], any float dtype; k_new / v_new : [B, kv_heads, head_dim].
 //   For every row b the new K/V land at cache[b][layer, 0/1, :, pos[b]], then query head h
 //   attends over positions 0..pos[b] of kv head h / (heads / kv_heads), in fp32 arithmetic.
+//   tiled = true: bf16 caches in the AMX tile layout of alignedserve/executor/kv_layout.py
+//   (capacity % 16 == 0, head_dim 64), handled by the AMX path further down; q and the
+//   probabilities are then rounded to bf16 for the tile products.
 //
 // Work decomposition: one work item is (row, kv head, token span). All query heads of a GQA
 // group are handled by the same item so each K/V row is read from memory once. Items are

@@ -11,7 +11,11 @@ otherwise ``decode_attention_reference``, which has the same semantics. Both:
   reading kv head ``h // (num_heads // num_kv_heads)``, softmax(scale * q.k) accumulated in
   float32, and return ``[B, num_heads, head_dim]`` in ``q``'s dtype.
 
-Nothing else in any cache is modified. The kernel is built once per machine with
+Nothing else in any cache is modified. With ``tiled=True`` the caches are bf16 in
+``kv_layout``'s AMX tile layout (chosen per engine by ``tiled_kv_applies``); positions mean
+the same, only the element order inside each plane differs.
+
+The kernel is built once per machine with
 ``torch.utils.cpp_extension.load`` into ``$ALIGNEDSERVE_CACHE/torch_extensions`` (default
 ``~/.cache/alignedserve``) and memoised per process; a failed build is logged once and the
 reference is used from then on. ``ALIGNEDSERVE_NO_KERNELS=1`` forces the reference (read at
