@@ -705,7 +705,6 @@ void run_items(const Problem& P, const Plan& plan) {
   });
 }
 
-
 // ----------------------------------------------------------------------------------------------
 // Tiled bf16 caches on AMX (layout: alignedserve/executor/kv_layout.py). Each kv head's
 // [capacity, 64] plane keeps K in 16-token blocks stored [32 dim pairs][16 tokens][2] and V in
@@ -718,9 +717,9 @@ void run_items(const Problem& P, const Plan& plan) {
 // The softmax between them (fp32, log2 domain) is vector code over each head's score row; P is
 // rounded to bf16 for the product, as the prefill kernel and torch's CPU flash attention do.
 // Against the FMA kernel on the token-major layout (30 layers x 64 varied rows, 2 threads):
-// 22.0 vs 18.8 GB/s of KV; a pure tile-load read of the same rows runs 25.2. Short rows gain
-// less (641-token rows +3%) or lose (200-token rows ~10% slower): each item then starts cold
-// streams, and its fixed costs (tails, three passes) weigh more.
+// 23.1 vs 18.8 GB/s of KV; a pure tile-load read of the same rows runs 25.2. Short rows gain
+// less (641-token rows 45.4 vs 50 ms) or lose (200-token rows ~21 vs 18 ms): each item then
+// starts cold streams, and its fixed costs (three passes, the V tail) weigh more.
 // ----------------------------------------------------------------------------------------------
 #ifdef ALIGNEDSERVE_AMX
 
@@ -871,13 +870,10 @@ void tiled_values(const uint16_t* v, int64_t n, int64_t padded, TiledScratch& s)
     _tile_loadd(3, vb + 96, 4 * kTiledDim);
     _tile_dpbf16ps(7, 0, 3);
   }
-  for (int j = 0; j < 4; ++j) {  // tile numbers must be literals
-    float* dst = s.acc + j * 16;
-    if (j == 0) _tile_stored(4, dst, kTiledDim * 4);
-    if (j == 1) _tile_stored(5, dst, kTiledDim * 4);
-    if (j == 2) _tile_stored(6, dst, kTiledDim * 4);
-    if (j == 3) _tile_stored(7, dst, kTiledDim * 4);
-  }
+  _tile_stored(4, s.acc, kTiledDim * 4);  // dims 0-15 of every head, and so on
+  _tile_stored(5, s.acc + 16, kTiledDim * 4);
+  _tile_stored(6, s.acc + 32, kTiledDim * 4);
+  _tile_stored(7, s.acc + 48, kTiledDim * 4);
 }
 
 void run_item_tiled(const Problem& P, const Item& it, TiledScratch& s, Prefetcher& pf) {
@@ -986,28 +982,34 @@ void append_new_tokens(const Problem& P, int64_t rows, const char* k_new, const 
   }
 }
 
-// The same for tiled bf16 caches: token t's K goes into column t % 16 of its 16-token block
-// ([dim/2][16][2]), its V into slot t % 2 of its token pair ([dim][2]).
+// Tiled bf16 caches (kv_layout.py): token t's K goes into column t % 16 of its 16-token block
+// ([dim/2][16][2]), its V into slot t % 2 of its token pair ([dim][2]). `plane` is the kv head's
+// [capacity, dim] plane.
+inline void put_key_tiled(uint16_t* plane, int64_t t, const uint16_t* k, int64_t dim) {
+  uint16_t* block = plane + t / 16 * 16 * dim + t % 16 * 2;
+  for (int64_t pair = 0; pair < dim / 2; ++pair) std::memcpy(block + pair * 32, k + 2 * pair, 4);
+}
+
+inline void put_value_tiled(uint16_t* plane, int64_t t, const uint16_t* v, int64_t dim) {
+  uint16_t* pair = plane + t / 2 * 2 * dim + t % 2;
+  for (int64_t d = 0; d < dim; ++d) pair[2 * d] = v[d];
+}
+
+// append_new_tokens for tiled caches.
 void append_new_tokens_tiled(const Problem& P, int64_t rows, const uint16_t* k_new,
                              const uint16_t* v_new) {
   for (int64_t b = 0; b < rows; ++b) {
-    const int64_t t = P.pos[b];
     for (int64_t g = 0; g < P.kv_heads; ++g) {
-      const int64_t head = g * P.hstride[b];
-      uint16_t* kb = reinterpret_cast<uint16_t*>(P.k_base[b]) + head + t / 16 * 16 * P.dim;
-      uint16_t* vp = reinterpret_cast<uint16_t*>(P.v_base[b]) + head + t / 2 * 2 * P.dim;
-      const uint16_t* kn = k_new + (b * P.kv_heads + g) * P.dim;
-      const uint16_t* vn = v_new + (b * P.kv_heads + g) * P.dim;
-      for (int64_t pair = 0; pair < P.dim / 2; ++pair) {
-        std::memcpy(kb + (pair * 16 + t % 16) * 2, kn + 2 * pair, 4);
-      }
-      for (int64_t d = 0; d < P.dim; ++d) vp[2 * d + t % 2] = vn[d];
+      const int64_t head = g * P.hstride[b], src = (b * P.kv_heads + g) * P.dim;
+      put_key_tiled(reinterpret_cast<uint16_t*>(P.k_base[b]) + head, P.pos[b], k_new + src, P.dim);
+      put_value_tiled(reinterpret_cast<uint16_t*>(P.v_base[b]) + head, P.pos[b], v_new + src,
+                      P.dim);
     }
   }
 }
 
 // Prefill's writer for tiled caches: k, v [T, kv_heads, dim] (bf16) into positions
-// [start, start + T) of layer `layer` of `cache`, element by element as append_new_tokens_tiled.
+// [start, start + T) of layer `layer` of `cache`.
 void write_tiled(const at::Tensor& cache, int64_t layer, const at::Tensor& k, const at::Tensor& v,
                  int64_t start) {
   TORCH_CHECK_VALUE(cache.dim() == 5 && cache.scalar_type() == at::kBFloat16 &&
@@ -1024,37 +1026,17 @@ void write_tiled(const at::Tensor& cache, int64_t layer, const at::Tensor& k, co
   const auto* ks = reinterpret_cast<const uint16_t*>(kc.data_ptr());
   const auto* vs = reinterpret_cast<const uint16_t*>(vc.data_ptr());
   auto* base = reinterpret_cast<uint16_t*>(cache.data_ptr()) + layer * cache.stride(0);
-  // One task per (plane, kv head); K moves 32-bit dim pairs, V whole token pairs where it can.
-  at::parallel_for(0, 2 * kv_heads, 1, [&](int64_t lo, int64_t hi) {
+  at::parallel_for(0, 2 * kv_heads, 1, [&](int64_t lo, int64_t hi) {  // (K or V, kv head)
     for (int64_t task = lo; task < hi; ++task) {
+      const bool keys = task < kv_heads;
       const int64_t g = task % kv_heads;
-      uint16_t* plane = base + (task / kv_heads) * cache.stride(1) + g * cache.stride(2);
-      const uint16_t* src = (task < kv_heads ? ks : vs) + g * dim;
-      const int64_t src_stride = kv_heads * dim;  // between tokens
-      if (task < kv_heads) {
-        for (int64_t i = 0; i < T; ++i) {
-          const int64_t t = start + i;
-          uint16_t* kb = plane + t / 16 * 16 * dim + t % 16 * 2;
-          for (int64_t pair = 0; pair < dim / 2; ++pair) {
-            std::memcpy(kb + pair * 32, src + i * src_stride + 2 * pair, 4);
-          }
-        }
-        continue;
-      }
-      for (int64_t i = 0; i < T;) {
-        const int64_t t = start + i;
-        uint16_t* vb = plane + t / 2 * 2 * dim;
-        const uint16_t* a = src + i * src_stride;
-        if (t % 2 == 0 && i + 1 < T) {  // a whole pair: interleave two rows
-          const uint16_t* b = a + src_stride;
-          for (int64_t d = 0; d < dim; ++d) {
-            vb[2 * d] = a[d];
-            vb[2 * d + 1] = b[d];
-          }
-          i += 2;
+      uint16_t* plane = base + (keys ? 0 : cache.stride(1)) + g * cache.stride(2);
+      const uint16_t* src = (keys ? ks : vs) + g * dim;
+      for (int64_t i = 0; i < T; ++i) {
+        if (keys) {
+          put_key_tiled(plane, start + i, src + i * kv_heads * dim, dim);
         } else {
-          for (int64_t d = 0; d < dim; ++d) vb[2 * d + t % 2] = a[d];
-          i += 1;
+          put_value_tiled(plane, start + i, src + i * kv_heads * dim, dim);
         }
       }
     }
