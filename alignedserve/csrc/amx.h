@@ -1,15 +1,22 @@
-// Shared Intel AMX set-up for the kernels that use tiles (prefill_attention.cpp,
-// small_gemm.cpp). Include only where ALIGNEDSERVE_AMX is defined, i.e. the compiler targets
-// AMX-BF16 (-march=native on Sapphire Rapids and later).
+// Shared Intel AMX set-up for the kernels that use tiles (attention.cpp's tiled decode path,
+// prefill_attention.cpp, small_gemm.cpp). Include it unconditionally: it defines
+// ALIGNEDSERVE_AMX where the compiler targets AMX-BF16 (-march=native on Sapphire Rapids and
+// later), the tile helpers only there, and amx::available() everywhere.
 #pragma once
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && \
+    defined(__AVX512BW__)
+#define ALIGNEDSERVE_AMX 1
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
+#endif
 
 #include <cstdint>
 
 namespace alignedserve::amx {
+
+#ifdef ALIGNEDSERVE_AMX
 
 // Linux grants the AMX tile state per process, on request (ARCH_REQ_XCOMP_PERM for
 // XFEATURE_XTILEDATA); without it the first tile instruction faults. Asked once.
@@ -26,7 +33,7 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-// Configures this thread's eight tiles as 16 rows x 64 bytes each (what both kernels use).
+// Configures this thread's eight tiles as 16 rows x 64 bytes each (what most kernels use).
 inline void configure_tiles() {
   TileConfig cfg;
   for (int i = 0; i < 8; ++i) {
@@ -37,6 +44,17 @@ inline void configure_tiles() {
   // this barrier the other stores may be sunk past ldtilecfg (which then faults).
   asm volatile("" ::: "memory");
   _tile_loadconfig(&cfg);
+}
+
+#endif  // ALIGNEDSERVE_AMX
+
+// Whether the AMX kernels can run: built for AMX-BF16 and tile state granted by the OS.
+inline bool available() {
+#ifdef ALIGNEDSERVE_AMX
+  return permitted();
+#else
+  return false;
+#endif
 }
 
 }  // namespace alignedserve::amx

@@ -60,11 +60,7 @@
 #include <immintrin.h>
 #endif
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && \
-    defined(__AVX512BW__)
-#define ALIGNEDSERVE_AMX 1
-#include "amx.h"
-#endif
+#include "amx.h"  // defines ALIGNEDSERVE_AMX where the build targets AMX-BF16
 
 namespace alignedserve {
 namespace {
@@ -916,15 +912,6 @@ void run_items_tiled(const Problem& P, const Plan& plan) {
 
 #endif  // ALIGNEDSERVE_AMX
 
-// Whether this build and CPU run decode attention over tiled caches (AMX-BF16 granted).
-bool tiled_kv_available() {
-#ifdef ALIGNEDSERVE_AMX
-  return amx::permitted();
-#else
-  return false;
-#endif
-}
-
 // Compile-time vector counts for the common head dims let the compiler keep q and the
 // accumulators in registers; bf16 rows use the cheaper pairwise widening when dim % 32 == 0.
 template <typename E>
@@ -1093,7 +1080,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_new,
                          dtype == at::kFloat8_e5m2,
                      "caches must be bfloat16, float32 or float8_e5m2");
   if (tiled) {
-    ALIGNEDSERVE_CHECK(tiled_kv_available(), "tiled caches need AMX-BF16, not available here");
+    ALIGNEDSERVE_CHECK(amx::available(), "tiled caches need AMX-BF16, not available here");
     ALIGNEDSERVE_CHECK(dtype == at::kBFloat16 && dim == 64 && scale > 0 &&
                            heads / kv_heads <= 16,
                        "tiled caches are bf16 with head_dim 64, at most 16 heads per kv head");
@@ -1190,7 +1177,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Store k, v [T, kv_heads, head_dim] at positions start.. of a tiled bf16 cache's layer.",
         pybind11::arg("cache"), pybind11::arg("layer"), pybind11::arg("k"), pybind11::arg("v"),
         pybind11::arg("start"));
-  m.def("tiled_kv_available", &alignedserve::tiled_kv_available,
+  m.def("tiled_kv_available", &alignedserve::amx::available,
         "True when decode_attention takes tiled bf16 caches (AMX-BF16 built and granted).");
   m.def("compiled_path", &alignedserve::compiled_path,
         "'avx512' or 'portable': the instruction path compiled in.");

@@ -24,7 +24,7 @@
 // latest positions (most keys) first.
 //
 // Built only where the compiler targets AMX-BF16 (-march=native on Sapphire Rapids and later);
-// elsewhere prefill_attention_available() is false and callers use torch's SDPA.
+// elsewhere amx::available() is false and callers use torch's SDPA.
 
 // Narrow includes on purpose: <torch/extension.h> alone takes ~30 s to compile.
 #include <ATen/Parallel.h>
@@ -40,11 +40,7 @@
 #include <limits>
 #include <vector>
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && \
-    defined(__AVX512BW__)
-#define ALIGNEDSERVE_AMX 1
-#include "amx.h"
-#endif
+#include "amx.h"  // defines ALIGNEDSERVE_AMX where the build targets AMX-BF16
 
 namespace alignedserve {
 namespace {
@@ -380,17 +376,9 @@ at::Tensor untile_keys(const at::Tensor& k, int64_t S) {
 
 #endif  // ALIGNEDSERVE_AMX
 
-bool prefill_attention_available() {
-#ifdef ALIGNEDSERVE_AMX
-  return amx::permitted();
-#else
-  return false;
-#endif
-}
-
 at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_in, const at::Tensor& v,
                              int64_t start, double scale, bool tiled) {
-  TORCH_CHECK(prefill_attention_available(), "prefill_attention: AMX-BF16 is not available");
+  TORCH_CHECK(amx::available(), "prefill_attention: AMX-BF16 is not available");
   TORCH_CHECK(q.dim() == 3 && k_in.dim() == 3 && v.dim() == 3, "prefill_attention: 3-d tensors");
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k_in.scalar_type() == at::kBFloat16 &&
                   v.scalar_type() == at::kBFloat16, "prefill_attention: bf16 only");
@@ -440,7 +428,7 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_in, const 
 
 void register_prefill(pybind11::module_& m) {
   using pybind11::arg;
-  m.def("prefill_attention_available", &prefill_attention_available,
+  m.def("prefill_attention_available", &amx::available,
         "True when this build has the AMX prefill kernel and the OS granted AMX state.");
   m.def("prefill_attention", &prefill_attention,
         "Causal attention of q (absolute positions start..start+T-1) over k/v [KVH, S, D] "

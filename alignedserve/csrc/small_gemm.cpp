@@ -21,7 +21,7 @@
 // the same whichever batch it is in.
 //
 // Built only where the compiler targets AMX-BF16 (as prefill_attention.cpp);
-// elsewhere amx_linear_available() is false and callers use oneDNN / F.linear.
+// elsewhere amx::available() is false and callers use oneDNN / F.linear.
 
 // Narrow includes on purpose: <torch/extension.h> alone takes ~30 s to compile.
 #include <ATen/Parallel.h>
@@ -35,11 +35,7 @@
 #include <cstring>
 #include <optional>
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && \
-    defined(__AVX512BW__)
-#define ALIGNEDSERVE_AMX 1
-#include "amx.h"
-#endif
+#include "amx.h"  // defines ALIGNEDSERVE_AMX where the build targets AMX-BF16
 
 namespace alignedserve {
 namespace {
@@ -136,14 +132,6 @@ void column_pair(const Problem& P, int64_t j, float* acc) {
 
 #endif  // ALIGNEDSERVE_AMX
 
-bool amx_linear_available() {
-#ifdef ALIGNEDSERVE_AMX
-  return amx::permitted();
-#else
-  return false;
-#endif
-}
-
 at::Tensor pack_weight(const at::Tensor& w) {
   TORCH_CHECK_VALUE(w.dim() == 2 && w.scalar_type() == at::kBFloat16 && w.device().is_cpu(),
                     "pack_weight: need a 2-d bf16 CPU weight");
@@ -157,7 +145,7 @@ at::Tensor pack_weight(const at::Tensor& w) {
 at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed,
                       const std::optional<at::Tensor>& bias_opt) {
   const at::Tensor bias = bias_opt.value_or(at::Tensor());
-  TORCH_CHECK_VALUE(amx_linear_available(), "amx_linear: AMX-BF16 is not available");
+  TORCH_CHECK_VALUE(amx::available(), "amx_linear: AMX-BF16 is not available");
   TORCH_CHECK_VALUE(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.device().is_cpu() &&
                         (x.size(0) <= 1 || x.stride(1) == 1),
                     "amx_linear: x must be a 2-d bf16 CPU tensor with dense rows");
@@ -201,7 +189,7 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed,
 
 void register_small_gemm(pybind11::module_& m) {
   using pybind11::arg;
-  m.def("amx_linear_available", &amx_linear_available,
+  m.def("amx_linear_available", &amx::available,
         "True when this build has the AMX small-batch linear and the OS granted AMX state.");
   m.def("pack_weight", &pack_weight,
         "W [N, K] bf16 -> [N/16, K/32, 16, 16, 2], the tile layout amx_linear takes.",
