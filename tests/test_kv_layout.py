@@ -147,7 +147,8 @@ def test_prefill_kernel_reads_tiled_planes(ext, start, count):
         pytest.skip("no AMX prefill kernel")
     gen = torch.Generator().manual_seed(start + count)
     stop = start + count
-    keys, values = random_bf16(KV_HEADS, stop, DIM, gen=gen), random_bf16(KV_HEADS, stop, DIM, gen=gen)
+    keys = random_bf16(KV_HEADS, stop, DIM, gen=gen)
+    values = random_bf16(KV_HEADS, stop, DIM, gen=gen)
     cache = random_bf16(LAYERS, 2, KV_HEADS, kv_layout.round_up(stop + 20), DIM, gen=gen)
     ext.write_tiled(cache, 1, keys.transpose(0, 1), values.transpose(0, 1), 0)
     q = random_bf16(count, HEADS, DIM, gen=gen)

@@ -65,7 +65,8 @@ def write(plane: torch.Tensor, start: int, x: torch.Tensor, shape: BlockShape) -
         if offset == 0 and stop - t >= shape.tokens:
             count = (stop - t) // shape.tokens
             n = count * shape.tokens
-            view[:, block:block + count].copy_(src[:, t - start:t - start + n].unflatten(1, (count, -1)))
+            whole = src[:, t - start:t - start + n].unflatten(1, (count, -1))
+            view[:, block:block + count].copy_(whole)
         else:
             n = min(shape.tokens - offset, stop - t)
             view[:, block, offset:offset + n].copy_(src[:, t - start:t - start + n])
