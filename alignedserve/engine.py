@@ -96,6 +96,8 @@ class LLMEngine:
             for d in tier_devices.values())
         pool = KVPool(tier_devices, mc.num_layers, mc.num_kv_heads, mc.head_dim, self.kv_dtype,
                       tiled)
+        log.info("KV cache: %s, %s layout", str(self.kv_dtype).removeprefix("torch."),
+                 "tiled (AMX)" if tiled else "token-major")
         self.executor = ModelExecutor(self.loaded, pool, self.device, config.seed)
         self.scheduler = make_scheduler(config.policy, config.scheduler, self.store)
         self.stats = StepStats()
