@@ -5,7 +5,8 @@ row. Linear layers run once over all of them; attention runs per prefill chunk (
 request's cache, causal: the AMX kernel of ``kernels.prefill_attention`` where it applies,
 torch's SDPA otherwise) and over all decode rows at once (one kernel call that
 appends each row's new K/V and attends over exactly that row's length: no padding).
-With ``tiled`` caches (``kv_layout``) prefill writes and reads go through ``kv_layout``.
+With ``tiled`` caches (``kv_layout``) a chunk is stored by ``write_tiled``, the AMX prefill
+kernel reads the tiled planes itself, and SDPA gets a token-major copy (``kv_layout.read``).
 """
 
 from __future__ import annotations
