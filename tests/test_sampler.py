@@ -50,6 +50,19 @@ def test_greedy_is_argmax_without_logprobs_unless_asked():
     assert torch.equal(logits, before)
 
 
+def test_greedy_on_bf16_logits_is_the_float32_argmax():
+    """The engine hands the sampler bf16 logits; greedy must pick what float32 would, ties to
+    the first index (bf16 has many exact ties), and the other paths must still work on them."""
+    logits = (random_logits(64, 1000) * 4).to(torch.bfloat16)
+    logits[3, [10, 500]] = logits[3].max() + 1  # an exact tie at the top
+    out = Sampler(seed=0)(logits, [row(temperature=0.0) for _ in range(64)])
+    assert out.token_ids == logits.float().argmax(-1).tolist()
+    assert out.token_ids[3] == 10
+    with_logprobs = Sampler(seed=0)(logits, [row(temperature=0.0, logprobs=0) for _ in range(64)])
+    assert with_logprobs.token_ids == out.token_ids
+    assert all(isinstance(lp, float) for lp in with_logprobs.logprobs)
+
+
 def test_greedy_with_logprobs_reports_raw_logprobs():
     logits = random_logits(40, 1000)
     out = Sampler(seed=0)(logits, [row(temperature=0.0, logprobs=0) for _ in range(40)])

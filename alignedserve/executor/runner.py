@@ -68,7 +68,7 @@ class ModelExecutor:
         hidden = self.model(input_ids, pos, attn)
         if not samplers:
             return {}
-        logits = self.model.compute_logits(hidden[sample_at])
+        logits = self.model.compute_logits(hidden[sample_at], widen=False)
         result = self.sampler(logits, [self._row(r) for r in samplers])
         return {
             r.request_id: SampledToken(result.token_ids[i], result.logprobs[i],

@@ -226,11 +226,12 @@ class LlamaForCausalLM(nn.Module):
             return self.norm(h)
         return self.norm.add_and_norm(h, residual)[0]
 
-    def compute_logits(self, hidden: Tensor) -> Tensor:
-        """[N, hidden] -> float32 logits [N, vocab]."""
-        if self.lm_head is None:
-            return F.linear(hidden, self.embed_tokens.weight).float()
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: Tensor, widen: bool = True) -> Tensor:
+        """[N, hidden] -> logits [N, vocab]: float32, or with ``widen=False`` the model's dtype
+        (the sampler widens what it needs; a greedy argmax does not)."""
+        logits = (F.linear(hidden, self.embed_tokens.weight) if self.lm_head is None
+                  else self.lm_head(hidden))
+        return logits.float() if widen else logits
 
     def reset_rotary(self) -> None:
         """Recompute ``rope_cache`` in float32 on the parameters' device (needed after
