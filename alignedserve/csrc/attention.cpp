@@ -885,17 +885,6 @@ void run_item_tiled(const Problem& P, const Item& it, TiledScratch& s, Prefetche
   finish_item(P, it, s.acc, s.mx, s.sum);
 }
 
-// During an item's score rounds, its own V into L2 (so the P.V pass reads it from there), as
-// the FMA kernel does for bf16: 30 layers x 64 varied rows 70.9 vs 73.4 ms, uniform 641-token
-// rows 47.2 vs 48.3 ms. Also asking for the next item's K was faster on uniform rows and
-// slower on varied ones; the next K alone, or lines just ahead into L1, gained nothing.
-Prefetcher prefetch_own_values(const Problem& P, const Item& it) {
-  Prefetcher pf;
-  pf.add(item_rows<uint16_t>(P, it).second, (it.end - it.begin) * kTiledDim * 2,
-         (it.end - it.begin + kKeyBlock - 1) / kKeyBlock);
-  return pf;
-}
-
 void run_items_tiled(const Problem& P, const Plan& plan) {
   std::atomic<int64_t> next{0};
   const auto n_items = static_cast<int64_t>(plan.items.size());
@@ -903,7 +892,11 @@ void run_items_tiled(const Problem& P, const Plan& plan) {
     configure_tiled_tiles(P.group);
     TiledScratch scratch(P.group, plan.max_span);
     for (int64_t i = next.fetch_add(1); i < n_items; i = next.fetch_add(1)) {
-      Prefetcher pf = prefetch_own_values(P, plan.items[i]);
+      // The item's own V into L2 during its score rounds (prefetch_for without a next item),
+      // as for token-major bf16: 30 layers x 64 varied rows 70.9 vs 73.4 ms, uniform 641-token
+      // rows 47.2 vs 48.3 ms. Also asking for the next item's K (whole or its first 64-256
+      // tokens), or for the next round's lines into L1, gained nothing.
+      Prefetcher pf = prefetch_for<uint16_t>(P, plan.items[i], nullptr);
       run_item_tiled(P, plan.items[i], scratch, pf);
     }
     _tile_release();
