@@ -73,6 +73,8 @@ def test_rejects_bad_inputs(ext):
                               0, 0.125)
     with pytest.raises(RuntimeError, match="bf16"):
         ext.prefill_attention(q.float(), k[:, :4], k[:, :4], 0, 0.125)
+    with pytest.raises(RuntimeError, match="scale must be positive"):
+        ext.prefill_attention(q, k[:, :4], k[:, :4], 0, -0.125)  # the max would not commute
 
 
 def test_step_attention_routes_big_chunks_to_the_kernel(ext, monkeypatch):

@@ -21,7 +21,9 @@
 //
 // Work item: (kv head, block of 16 query positions) with all H / KVH query heads of the group,
 // so the group reuses each K/V block while it is hot. Items are pulled from an atomic counter,
-// latest positions (most keys) first.
+// kv head by kv head (one head's K and V^T, up to ~1 MB each at 4K tokens, stay in L2 while
+// both threads sweep its query blocks; cycling over the heads instead made long chunks
+// memory-bound: 7.6 vs 5.7 ms at 4096 + 512 tokens), latest positions (most keys) first.
 //
 // Built only where the compiler targets AMX-BF16 (-march=native on Sapphire Rapids and later);
 // elsewhere amx::available() is false and callers use torch's SDPA.
@@ -54,28 +56,28 @@ constexpr float kLog2e = 1.4426950408889634f;
 // Tiles: amx::configure_tiles (eight of 16 rows x 64 bytes); block_scores and block_values say
 // how they are used.
 
-// 2^x for x <= 0 (scores minus their running max): degree-4 Taylor polynomial of e^(f ln2) on
-// f in [-0.5, 0.5], ~4e-5 relative error, well below the bf16 rounding of P (2^-9); degree 6
-// measured the same output error and ~5% slower.
+// 2^x for x <= 0 (scores minus their running max): 2^floor(x) * q(x - floor(x)), with q a
+// degree-4 polynomial fitted to 2^f on [0, 1) for relative error (2.9e-6, far below the bf16
+// rounding of P, 2^-9; q(0) = 1 exactly). vreduceps gives x - floor(x) and vscalefps applies
+// 2^floor(x) in one instruction each. Finite x only (-inf gives NaN): masked scores are kMasked.
 inline __m512 exp2_nonpos(__m512 x) {
-  const __m512 xc = _mm512_max_ps(x, _mm512_set1_ps(-150.0f));  // -inf (masked) -> ~0
-  const __m512 n = _mm512_roundscale_ps(xc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(xc, n);  // in [-0.5, 0.5]
-  constexpr float c1 = 0.6931471805599453f, c2 = c1 * c1 / 2, c3 = c2 * c1 / 3,
-                  c4 = c3 * c1 / 4;
-  __m512 p = _mm512_set1_ps(c4);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c3));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c2));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c1));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
+  const __m512 f = _mm512_reduce_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 q = _mm512_set1_ps(0.013426604680716991f);
+  q = _mm512_fmadd_ps(q, f, _mm512_set1_ps(0.05224260315299034f));
+  q = _mm512_fmadd_ps(q, f, _mm512_set1_ps(0.24128015339374542f));
+  q = _mm512_fmadd_ps(q, f, _mm512_set1_ps(0.6930448412895203f));
+  q = _mm512_fmadd_ps(q, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(q, x);
 }
 
-inline uint16_t to_bf16(float x) {  // round to nearest even, as c10::BFloat16
-  uint32_t u;
-  std::memcpy(&u, &x, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;  // NaN
-  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+// Raw score given to keys in a query's future: finite (exp2_nonpos needs finite input) yet far
+// below any real score, so it never wins the max and its probability is exactly 0.
+constexpr float kMasked = -1e30f;
+
+// Lanes of cvtne2ps_pbh(b, a) (a0..a15, b0..b15) reordered to pairs (a0, b0, a1, b1, ...).
+inline __m512i pair_interleave() {
+  return _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                          23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
 }
 
 struct Problem {
@@ -99,10 +101,11 @@ struct Scratch {
   float* s;       // [3][32][16]: one block's scores, per head of a 3-head batch
   uint16_t* p;    // [3][16][32]: P^T pairs, per head of the batch
   uint16_t* kpad; // [32][D]: the last K block, zero past S
+  uint32_t* pairs;  // [D/2][16]: one head's output, bf16 pairs of dims per query lane
 
   Scratch(const Problem& P) {
     const int64_t words = P.group * (P.D / 32) * 256 + P.group * P.D * 16 + 2 * P.group * 16 +
-                          3 * kT * 16 + 3 * 256 + kT * P.D / 2 + 16 * 8;
+                          3 * kT * 16 + 3 * 256 + kT * P.D / 2 + P.D * 8 + 16 * 8;
     raw.assign(words + 16, 0u);
     auto* base = reinterpret_cast<uint32_t*>(
         (reinterpret_cast<uintptr_t>(raw.data()) + 63) & ~uintptr_t{63});
@@ -118,6 +121,7 @@ struct Scratch {
     s = reinterpret_cast<float*>(take(3 * kT * 16));
     p = reinterpret_cast<uint16_t*>(take(3 * 256));
     kpad = reinterpret_cast<uint16_t*>(take(kT * P.D / 2));
+    pairs = take(P.D * 8);
   }
 };
 
@@ -138,48 +142,55 @@ void pack_queries(const Problem& P, int64_t i0, int64_t nq, int64_t head, uint32
   }
 }
 
-// Online softmax over one block's 32 score rows of one head. Writes P^T in pairs to p; returns
-// true when some lane's running max rose, and then the caller must scale that head's
-// accumulators by `corr` (2^(old max - new max), 1 in the other lanes); blocks that raise no
-// max (most, once the first keys are seen) skip that pass. The max is always exact, never a
-// stale upper guess: the dominant probability is then exactly 1 and survives the bf16
-// rounding of P (a stale max with 8 units of slack was ~10% faster and doubled the error).
-
+// Online softmax over one block's 32 raw score rows of one head (lanes = queries). Writes P^T
+// in pairs to p; returns true when some lane's running max rose, and then the caller must
+// scale that head's accumulators by `corr` (2^(old max - new max), 1 in the other lanes);
+// blocks that raise no max (most, once the first keys are seen) skip that pass. The max is
+// taken over raw scores (scale > 0 keeps the order) and the scale is folded into the
+// exponent's FMA, so the scores are read twice and written never (except masked ones). The
+// max is always exact, never a stale upper guess: the dominant probability is then 1 and
+// survives the bf16 rounding of P (a stale max with 8 units of slack was ~10% faster and
+// doubled the error). The loops are unrolled so the max and sum chains stay in registers.
+template <bool kMask>
 inline bool softmax_block(float* s, float* m, float* l, uint16_t* p, __m512& corr, __m512i qpos,
-                          int64_t t0, bool mask, float scale_log2) {
-  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  const __m512 old_max = _mm512_load_ps(m);
-  __m512 mx = neg_inf;
+                          int64_t t0, float scale_log2) {
+  const __m512 scale = _mm512_set1_ps(scale_log2);
+  __m512 mx[4];
+#pragma GCC unroll 32
   for (int t = 0; t < kT; ++t) {
-    __m512 x = _mm512_mul_ps(_mm512_load_ps(s + t * 16), _mm512_set1_ps(scale_log2));
-    if (mask) {  // key t0 + t is in the future of lanes whose position is smaller
+    __m512 x = _mm512_load_ps(s + t * 16);
+    if (kMask) {  // key t0 + t is in the future of lanes whose position is smaller
       const __mmask16 future = _mm512_cmplt_epi32_mask(qpos, _mm512_set1_epi32(t0 + t));
-      x = _mm512_mask_mov_ps(x, future, neg_inf);
+      x = _mm512_mask_mov_ps(x, future, _mm512_set1_ps(kMasked));
+      _mm512_store_ps(s + t * 16, x);
     }
-    _mm512_store_ps(s + t * 16, x);
-    mx = _mm512_max_ps(mx, x);
+    mx[t % 4] = t < 4 ? x : _mm512_max_ps(mx[t % 4], x);
   }
-  // The first block moves every lane off -inf; a lane whose keys are all masked never moves.
-  const __mmask16 moved = _mm512_cmp_ps_mask(mx, old_max, _CMP_GT_OQ);
-  const __m512 new_max = _mm512_mask_mov_ps(old_max, moved, mx);
-  const __m512i interleave = _mm512_set_epi16(
-      31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
-      23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-  __m512 sum = _mm512_setzero_ps();
+  const __m512 raw_max = _mm512_max_ps(_mm512_max_ps(mx[0], mx[1]), _mm512_max_ps(mx[2], mx[3]));
+  // The first block moves every lane off -inf (key 0 is no one's future); a lane whose keys
+  // in this block are all masked never moves.
+  const __m512 old_max = _mm512_load_ps(m);
+  const __m512 block_max = _mm512_mul_ps(raw_max, scale);
+  const __mmask16 moved = _mm512_cmp_ps_mask(block_max, old_max, _CMP_GT_OQ);
+  const __m512 new_max = _mm512_mask_mov_ps(old_max, moved, block_max);
+  __m512 sum[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+#pragma GCC unroll 16
   for (int r = 0; r < kT / 2; ++r) {
-    const __m512 p0 = exp2_nonpos(_mm512_sub_ps(_mm512_load_ps(s + (2 * r) * 16), new_max));
-    const __m512 p1 = exp2_nonpos(_mm512_sub_ps(_mm512_load_ps(s + (2 * r + 1) * 16), new_max));
-    sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
+    const __m512 p0 = exp2_nonpos(_mm512_fmsub_ps(_mm512_load_ps(s + 2 * r * 16), scale, new_max));
+    const __m512 p1 =
+        exp2_nonpos(_mm512_fmsub_ps(_mm512_load_ps(s + (2 * r + 1) * 16), scale, new_max));
+    sum[r % 2] = _mm512_add_ps(sum[r % 2], _mm512_add_ps(p0, p1));
     const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(p1, p0);
-    _mm512_store_si512(p + r * 32, _mm512_permutexvar_epi16(interleave, both));
+    _mm512_store_si512(p + r * 32, _mm512_permutexvar_epi16(pair_interleave(), both));
   }
   __m512 l_old = _mm512_load_ps(l);
   if (moved) {
-    corr = exp2_nonpos(_mm512_sub_ps(old_max, new_max));  // 1 in lanes that kept their max
+    // old max is -inf before the first block: clamp so that 2^(-inf) is computed as 2^-150 = 0
+    corr = exp2_nonpos(_mm512_max_ps(_mm512_sub_ps(old_max, new_max), _mm512_set1_ps(-150.0f)));
     l_old = _mm512_mul_ps(l_old, corr);
     _mm512_store_ps(m, new_max);
   }
-  _mm512_store_ps(l, _mm512_add_ps(l_old, sum));
+  _mm512_store_ps(l, _mm512_add_ps(l_old, _mm512_add_ps(sum[0], sum[1])));
   return moved != 0;
 }
 
@@ -257,12 +268,40 @@ void run_block(const Problem& P, Scratch& sc, const uint16_t* kb, const uint16_t
   block_scores<HN>(P, kb, qt, s);
   for (int j = 0; j < HN; ++j) {
     __m512 corr;
-    if (softmax_block(s[j], sc.m + (h0 + j) * 16, sc.l + (h0 + j) * 16, sc.p + j * kT * 16, corr,
-                      qpos, t0, mask, P.scale_log2)) {
+    float* m = sc.m + (h0 + j) * 16;
+    float* l = sc.l + (h0 + j) * 16;
+    uint16_t* pj = sc.p + j * kT * 16;
+    const bool moved = mask ? softmax_block<true>(s[j], m, l, pj, corr, qpos, t0, P.scale_log2)
+                            : softmax_block<false>(s[j], m, l, pj, corr, qpos, t0, P.scale_log2);
+    if (moved) {
       scale_rows(acc[j], P.D, corr);
     }
   }
   block_values<HN>(P, vt_head, t0, pp, acc);
+}
+
+// out rows i0 .. i0+nq-1 of head `head` = O^T / l, rounded to bf16 (nearest even). Each pair
+// of accumulator rows (dims d, d+1 over the 16 query lanes) becomes 16 bf16 pairs in `pairs`
+// ([D/2][16] words), and each query's output row gathers its D/2 words from that transpose.
+void store_outputs(const Problem& P, const float* acc, const float* l, int64_t i0, int64_t nq,
+                   int64_t head, uint32_t* pairs) {
+  const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), _mm512_load_ps(l));
+  for (int64_t d = 0; d < P.D; d += 2) {
+    const __m512 lo = _mm512_mul_ps(_mm512_load_ps(acc + d * 16), inv);
+    const __m512 hi = _mm512_mul_ps(_mm512_load_ps(acc + (d + 1) * 16), inv);
+    const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+    _mm512_store_si512(pairs + d * 8, _mm512_permutexvar_epi16(pair_interleave(), both));
+  }
+  const __m512i column = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6,
+                                                             5, 4, 3, 2, 1, 0),
+                                            _mm512_set1_epi32(16));
+  for (int64_t mq = 0; mq < nq; ++mq) {
+    auto* o = reinterpret_cast<int*>(P.out + ((i0 + mq) * P.H + head) * P.D);
+    for (int64_t w = 0; w < P.D / 2; w += 16) {  // words w .. w+15 of the row
+      const __m512i idx = _mm512_add_epi32(column, _mm512_set1_epi32(w * 16 + mq));
+      _mm512_storeu_si512(o + w, _mm512_i32gather_epi32(idx, pairs, 4));
+    }
+  }
 }
 
 void run_item(const Problem& P, int64_t g, int64_t qb, Scratch& sc) {
@@ -302,13 +341,7 @@ void run_item(const Problem& P, int64_t g, int64_t qb, Scratch& sc) {
     }
   }
   for (int64_t h = 0; h < P.group; ++h) {
-    const float* acc = sc.acc + h * P.D * 16;
-    const float* l = sc.l + h * 16;
-    for (int64_t mq = 0; mq < nq; ++mq) {
-      uint16_t* o = P.out + ((i0 + mq) * P.H + g * P.group + h) * P.D;
-      const float inv = 1.0f / l[mq];
-      for (int64_t d = 0; d < P.D; ++d) o[d] = to_bf16(acc[d * 16 + mq] * inv);
-    }
+    store_outputs(P, sc.acc + h * P.D * 16, sc.l + h * 16, i0, nq, g * P.group + h, sc.pairs);
   }
 }
 
@@ -389,6 +422,7 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_in, const 
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2), KVH = k_in.size(0);
   TORCH_CHECK(D % 32 == 0 && D <= 256, "prefill_attention: head_dim must be a multiple of 32");
   TORCH_CHECK(KVH > 0 && H % KVH == 0, "prefill_attention: heads must be a multiple of kv heads");
+  TORCH_CHECK(scale > 0 && scale < 1e6, "prefill_attention: scale must be positive (and sane)");
   TORCH_CHECK(v.sizes() == k_in.sizes() && k_in.size(2) == D, "prefill_attention: k/v shape");
   TORCH_CHECK(k_in.stride(2) == 1 && k_in.stride(1) == D, "prefill_attention: k token rows dense");
   TORCH_CHECK(v.stride(2) == 1 && v.stride(1) == D, "prefill_attention: v token rows dense");
@@ -416,7 +450,7 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_in, const 
     amx::configure_tiles();
     Scratch scratch(P);
     for (int64_t i = next.fetch_add(1); i < items; i = next.fetch_add(1)) {
-      run_item(P, i % KVH, q_blocks - 1 - i / KVH, scratch);  // most keys first
+      run_item(P, i / q_blocks, q_blocks - 1 - i % q_blocks, scratch);  // most keys first
     }
     _tile_release();
   });
