@@ -34,6 +34,11 @@ class SchedulerConfig:
     catchup_window: int = 0
     max_wait_steps: int = 16  # a ready cohort waits at most this many steps before it has priority
     max_inflight: int = 4096  # requests admitted at once (their KV in device or host tiers)
+    # Which waiting request is admitted next (alignedserve.sched.waiting): "shortest" prompt
+    # first, a request that has waited max_admit_wait_steps steps before any younger one; or
+    # "fcfs" (arrival order).
+    admission: str = "shortest"
+    max_admit_wait_steps: int = 64
     # KV tokens one host->device link can carry during one step (0: unlimited). With several
     # devices, prefetch that does not fit the compute device's link is staged on a peer device.
     # When set, it also caps the host-resident part of the pool (see AlignedScheduler).

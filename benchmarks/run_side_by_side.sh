@@ -4,7 +4,8 @@
 # PEERS holds start_vllm.sh (port 8101) and start_llamacpp.sh (port 8102), installed as in
 # ../shared/peers/README.md; missing ones are skipped. Targets: env TARGETS (default all); a
 # target NAME-fp8 (aligned-fp8, vllm-fp8, ...) runs NAME with an fp8 e5m2 KV cache, and
-# NAME-flat (aligned-flat, fcfs-flat) ours with token-major bf16 caches (--no-tiled-kv).
+# NAME-flat (aligned-flat, fcfs-flat) ours with token-major bf16 caches (--no-tiled-kv), and
+# aligned-arrival the aligned policy admitting in arrival order (--admission fcfs).
 # Workloads: varied, uniform (synthetic), conv, code (Azure 2023 traces from TRACE_DIR).
 set -uo pipefail
 OUT=${1:?output dir}; shift
@@ -33,8 +34,10 @@ bench_args() {  # workload name -> bench arguments
 start() {  # target -> sets PID and PORT
   local engine=${1%-fp8} kv=()
   engine=${engine%-flat}
+  engine=${engine%-arrival}
   [[ $1 == *-fp8 ]] && kv=(--kv-cache-dtype fp8_e5m2)
   [[ $1 == *-flat ]] && kv=(--no-tiled-kv)
+  [[ $1 == *-arrival ]] && kv=(--admission fcfs)
   case $engine in
     vllm) PORT=8101; "$PEERS/start_vllm.sh" "${kv[@]}" > "$OUT/$1.log" 2>&1 & PID=$! ;;
     llamacpp) PORT=8102; "$PEERS/start_llamacpp.sh" --no-cache-prompt > "$OUT/$1.log" 2>&1 & PID=$! ;;

@@ -38,6 +38,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--catchup-window", type=int, default=sched.catchup_window,
                    help="aligned: hold a small cohort up to this many steps so a shorter one "
                         "catches up and merges (0: never hold)")
+    g.add_argument("--admission", default=sched.admission, choices=["shortest", "fcfs"],
+                   help="aligned: which waiting request is prefilled next: shortest prompt "
+                        "first (with aging, default) or arrival order")
+    g.add_argument("--max-admit-wait-steps", type=int, default=sched.max_admit_wait_steps,
+                   help="aligned, shortest: steps after which a waiting request goes before "
+                        "every younger one")
     g.add_argument("--max-inflight", type=int, default=4096,
                    help="aligned: requests in flight at once (KV in device or host tier)")
     g.add_argument("--no-tiled-kv", dest="tiled_kv", action="store_false",
@@ -61,6 +67,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                                   max_wait_steps=args.max_wait_steps,
                                   catchup_window=args.catchup_window,
                                   max_inflight=args.max_inflight,
+                                  admission=args.admission,
+                                  max_admit_wait_steps=args.max_admit_wait_steps,
                                   prefetch_link_tokens=args.prefetch_link_tokens),
         cache=CacheConfig(device_kv_gb=args.device_kv_gb, host_kv_gb=args.host_kv_gb,
                           num_devices=args.num_devices, tiled_layout=args.tiled_kv))

@@ -2,7 +2,9 @@
 
 Requests are admitted (prefilled on the device) while device room exists, evicting idle
 cohorts to the host tier to make room: the number in flight is bounded by device + host KV,
-not by the device alone. A request that finishes prefill joins a cohort whose KV lengths are
+not by the device alone. Which waiting request is admitted next is ``admission``: shortest
+prompt first with aging (default; see ``alignedserve.sched.waiting``) or arrival order. A
+request that finishes prefill joins a cohort whose KV lengths are
 within ``align_tolerance`` of its own, or starts one. Each step the scheduler picks cohorts to
 decode, by priority:
 
@@ -37,12 +39,12 @@ of cohorts in flight (starving cohorts go first, oldest first, and at least one 
 from __future__ import annotations
 
 import itertools
-from collections import deque
 
 from alignedserve.request import Request, RequestStatus
 from alignedserve.sched.cohort import Cohort, merge_pass, split_sizes
 from alignedserve.sched.interface import BaseScheduler, QueueFull
 from alignedserve.sched.plan import DecodeBatch, StepPlan
+from alignedserve.sched.waiting import WaitingQueue
 
 
 class AlignedScheduler(BaseScheduler):
@@ -50,7 +52,7 @@ class AlignedScheduler(BaseScheduler):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.waiting: deque[Request] = deque()
+        self.waiting = WaitingQueue(self.config.admission, self.config.max_admit_wait_steps)
         self.prefilling: list[Request] = []
         self.cohorts: dict[int, Cohort] = {}
         self._cohort_of: dict[str, Cohort] = {}
@@ -61,7 +63,7 @@ class AlignedScheduler(BaseScheduler):
     def _enqueue(self, request: Request) -> None:
         if len(self.waiting) >= self.config.max_queue:
             raise QueueFull(f"{len(self.waiting)} requests are waiting (max_queue)")
-        self.waiting.append(request)
+        self.waiting.push(request, self.step_index, self._prefill_left(request))
 
     def _forget(self, request: Request) -> None:
         if request in self.waiting:
@@ -72,6 +74,9 @@ class AlignedScheduler(BaseScheduler):
             cohort.requests.remove(request)
             if not cohort.requests:
                 del self.cohorts[cohort.cohort_id]
+
+    def _prefill_left(self, request: Request) -> int:
+        return self.prefill_target(request) - request.num_computed_tokens
 
     def num_waiting(self) -> int:
         return len(self.waiting)
@@ -203,7 +208,7 @@ class AlignedScheduler(BaseScheduler):
         """
         if not self.waiting or self.num_inflight() >= self.config.max_inflight:
             return 0
-        need = self.store.round_up(self.initial_capacity(self.waiting[0]))
+        need = self.store.round_up(self.initial_capacity(self.waiting.peek(self.step_index)))
         return need if self._host_can_take(need) else 0
 
     def _host_can_take(self, tokens: int) -> bool:
@@ -323,7 +328,7 @@ class AlignedScheduler(BaseScheduler):
 
     def _admit(self, plan: StepPlan, budget: int, chosen: list[Cohort]) -> None:
         while self.waiting and budget > 0 and self.num_inflight() < self.config.max_inflight:
-            request = self.waiting[0]
+            request = self.waiting.peek(self.step_index)
             capacity = self.initial_capacity(request)
             need = self.store.round_up(capacity)
             if not self._within_pool_cap(need) and (self.prefilling or self.cohorts):
@@ -333,11 +338,11 @@ class AlignedScheduler(BaseScheduler):
                 handle = self.store.allocate(self.device, capacity)
             if handle is None:
                 if not self.prefilling and not self.cohorts:
-                    self.waiting.popleft()
+                    self.waiting.remove(request)
                     self.fail_unfittable(request)
                     continue
                 return
-            self.waiting.popleft()
+            self.waiting.remove(request)
             request.kv, request.status = handle, RequestStatus.RUNNING
             self.prefilling.append(request)
             chunk = self.next_chunk(request, budget)
@@ -359,4 +364,4 @@ class AlignedScheduler(BaseScheduler):
             request.num_computed_tokens = 0
             request.num_preemptions += 1
             request.status = RequestStatus.WAITING
-            self.waiting.appendleft(request)
+            self.waiting.push_front(request, self._prefill_left(request))
