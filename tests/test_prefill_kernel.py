@@ -77,25 +77,27 @@ def test_rejects_bad_inputs(ext):
         ext.prefill_attention(q, k[:, :4], k[:, :4], 0, -0.125)  # the max would not commute
 
 
-def test_step_attention_routes_big_chunks_to_the_kernel(ext, monkeypatch):
-    """A chunk with enough work takes the kernel, a small one SDPA; both give SDPA's answer
-    through StepAttention (cache write included)."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_step_attention_routes_bf16_chunks_to_the_kernel(ext, monkeypatch, dtype):
+    """bf16 chunks of any size take the kernel, float32 ones SDPA (with the additive mask for
+    the continuation chunk); both give SDPA's answer through StepAttention (cache write
+    included)."""
     calls = []
     real = kernels.prefill_attention
     monkeypatch.setattr("alignedserve.executor.attention.prefill_attention",
                         lambda *a: calls.append(a[0].shape[0]) or real(*a))
     torch.manual_seed(0)
     layers, kv_heads, heads, dim = 2, 3, 9, 64
-    segs = [PrefillSegment(torch.zeros(layers, 2, kv_heads, 1200, dim, dtype=torch.bfloat16),
+    segs = [PrefillSegment(torch.zeros(layers, 2, kv_heads, 1200, dim, dtype=dtype),
                            start, n) for start, n in ((0, 40), (500, 400))]
     for seg in segs:  # earlier context of the continuation chunk
         seg.cache[:, :, :, :seg.start] = torch.randn(layers, 2, kv_heads, seg.start, dim)
     tokens = sum(s.num_tokens for s in segs)
-    q = torch.randn(tokens, heads, dim, dtype=torch.bfloat16)
-    k = torch.randn(tokens, kv_heads, dim, dtype=torch.bfloat16)
-    v = torch.randn(tokens, kv_heads, dim, dtype=torch.bfloat16)
+    q = torch.randn(tokens, heads, dim, dtype=dtype)
+    k = torch.randn(tokens, kv_heads, dim, dtype=dtype)
+    v = torch.randn(tokens, kv_heads, dim, dtype=dtype)
     out = StepAttention(segs, [], torch.zeros(0, dtype=torch.int64), 0.125)(1, q, k, v)
-    assert calls == [400]
+    assert calls == ([40, 400] if dtype == torch.bfloat16 else [])
     offset = 0
     for seg in segs:
         end = offset + seg.num_tokens

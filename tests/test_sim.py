@@ -268,10 +268,12 @@ def test_step_records_equal_the_engines_record_step(policy):
 
 
 def test_variants_parse_and_reject_bad_settings():
-    vs = parse_variants(["aligned,fcfs", "pad=static:kernel=padded:max_num_seqs=8"])
-    assert [v.label for v in vs] == ["aligned", "fcfs", "pad"]
+    vs = parse_variants(["aligned,fcfs", "pad=static:kernel=padded:max_num_seqs=8",
+                         "arr=aligned:admission=fcfs"])
+    assert [v.label for v in vs] == ["aligned", "fcfs", "pad", "arr"]
     cfg = vs[2].apply(small_config())
     assert cfg.kernel is AttentionKernel.PADDED and cfg.scheduler.max_num_seqs == 8
+    assert vs[3].apply(small_config()).scheduler.admission == "fcfs"
     for bad in ["nope", "x=aligned:colour=red", "aligned:max_num_seqs=lots", "fcfs,fcfs"]:
         with pytest.raises(ValueError):
             parse_variants([bad])

@@ -38,9 +38,9 @@ class StepAttention:
         self.decode_caches = decode_caches
         self.decode_positions = decode_positions
         self.scale = scale
-        # Per prefill chunk, decided at the first layer (q's dtype is known there): whether the
-        # AMX kernel takes it, else SDPA's mask (None: plain causal).
-        self._use_kernel: list[bool] | None = None
+        # Decided at the first layer (q's dtype is known there): whether the AMX kernel takes
+        # the prefill chunks, else SDPA's mask per chunk (None: plain causal).
+        self._use_kernel: bool | None = None
         self._masks: list[torch.Tensor | None] = []
 
     @staticmethod
@@ -58,10 +58,9 @@ class StepAttention:
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if self._use_kernel is None:
-            self._use_kernel = [prefill_kernel_applies(q, s.num_tokens, s.start + s.num_tokens)
-                                for s in self.prefills]
-            self._masks = [None if kernel else self._mask(s, q.dtype)
-                           for s, kernel in zip(self.prefills, self._use_kernel)]
+            self._use_kernel = prefill_kernel_applies(q)
+            if not self._use_kernel:
+                self._masks = [self._mask(s, q.dtype) for s in self.prefills]
         out = torch.empty_like(q)
         offset = 0
         for i, seg in enumerate(self.prefills):
@@ -80,7 +79,7 @@ class StepAttention:
         k_cache, v_cache = seg.cache[layer, 0], seg.cache[layer, 1]  # [kv_heads, cap, dim]
         if self.tiled:
             write_tiled(seg.cache, layer, k, v, seg.start)
-            if self._use_kernel[i]:  # the kernel reads the planes' whole 16-token blocks
+            if self._use_kernel:  # the kernel reads the planes' whole 16-token blocks
                 hi = kv_layout.round_up(stop)
                 return prefill_attention(q, k_cache[:, :hi], v_cache[:, :hi], seg.start,
                                          self.scale, tiled=True)
@@ -92,7 +91,7 @@ class StepAttention:
             # Attend over what the cache holds (an 8-bit cache is widened to q's dtype), so
             # prefill and decode see the same K/V values.
             keys, values = k_cache[:, :stop].to(q.dtype), v_cache[:, :stop].to(q.dtype)
-            if self._use_kernel[i]:
+            if self._use_kernel:
                 return prefill_attention(q, keys, values, seg.start, self.scale)
         mask = self._masks[i]
         o = F.scaled_dot_product_attention(

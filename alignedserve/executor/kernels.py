@@ -228,17 +228,13 @@ def amx_linear_kernels() -> ModuleType | None:
     return _kernels_with("amx_linear_available")
 
 
-# Below this much work (query tokens x keys) torch's SDPA is as fast: the kernel's per-call
-# set-up (V transposed, per-thread buffers) dominates. Measured crossover ~65k-130k.
-_MIN_PREFILL_KERNEL_WORK = 1 << 17
-
-
-def prefill_kernel_applies(q: torch.Tensor, num_tokens: int, num_keys: int) -> bool:
-    """Whether ``prefill_attention`` takes a chunk of ``num_tokens`` queries over
-    ``num_keys`` keys: a build and CPU with AMX-BF16, bf16, head_dim % 32 == 0, enough work."""
+def prefill_kernel_applies(q: torch.Tensor) -> bool:
+    """Whether ``prefill_attention`` takes this step's prefill chunks: a build and CPU with
+    AMX-BF16, bf16, head_dim % 32 == 0. At any chunk size: it beats SDPA from 16 tokens up
+    (1.5-2x over token-major caches, 2-4x over tiled ones, which SDPA must read back first;
+    docs/architecture.md), so there is no small-chunk threshold any more."""
     dim = q.shape[-1]
-    if (q.dtype != torch.bfloat16 or q.device.type != "cpu" or dim % 32 or dim > _MAX_HEAD_DIM
-            or num_tokens * num_keys < _MIN_PREFILL_KERNEL_WORK):
+    if q.dtype != torch.bfloat16 or q.device.type != "cpu" or dim % 32 or dim > _MAX_HEAD_DIM:
         return False
     return _kernels_with("prefill_attention_available") is not None
 

@@ -20,7 +20,9 @@ from alignedserve.sim.config import SimConfig
 SIM_KEYS: Mapping[str, type] = MappingProxyType({
     "kernel": str, "launch": str, "host_kv_gb": float, "device_kv_gb": float,
     "prefetch_link_tokens": int, "topology": str, "dispatch": str})
-_SCHED_KEYS = frozenset(f.name for f in dataclasses.fields(SchedulerConfig))
+# SchedulerConfig fields parse as the type of their default (int, or str for ``admission``).
+_SCHED_KEYS: Mapping[str, type] = MappingProxyType(
+    {f.name: type(f.default) for f in dataclasses.fields(SchedulerConfig)})
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,7 +38,7 @@ class PolicyVariant:
             if key in SIM_KEYS:
                 sim[key] = SIM_KEYS[key](text)
             else:
-                sched[key] = int(text)  # every SchedulerConfig field is an int
+                sched[key] = _SCHED_KEYS[key](text)
         if sched:
             sim["scheduler"] = dataclasses.replace(cfg.scheduler, **sched)
         return dataclasses.replace(cfg, **sim)
@@ -60,7 +62,7 @@ def parse_variant(text: str) -> PolicyVariant:
             raise ValueError(f"unknown setting {key!r} in {text!r}; settings: "
                              f"{sorted(SIM_KEYS) + sorted(_SCHED_KEYS)}")
         try:
-            (SIM_KEYS.get(key) or int)(value)
+            (SIM_KEYS.get(key) or _SCHED_KEYS[key])(value)
         except ValueError:
             raise ValueError(f"bad value for {key!r} in {text!r}: {value!r}") from None
         overrides.append((key, value))
