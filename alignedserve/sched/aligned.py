@@ -4,9 +4,8 @@ Requests are admitted (prefilled on the device) while device room exists, evicti
 cohorts to the host tier to make room: the number in flight is bounded by device + host KV,
 not by the device alone. Which waiting request is admitted next is ``admission``: shortest
 prompt first with aging (default; see ``alignedserve.sched.waiting``) or arrival order. A
-request that finishes prefill joins a cohort whose KV lengths are
-within ``align_tolerance`` of its own, or starts one. Each step the scheduler picks cohorts to
-decode, by priority:
+request that finishes prefill joins a cohort whose KV lengths are within ``align_tolerance``
+of its own, or starts one. Each step the scheduler picks cohorts to decode, by priority:
 
 1. *starving* cohorts (not run for more than ``max_wait_steps`` steps), oldest first;
 2. cohorts already on the device (no copy needed);

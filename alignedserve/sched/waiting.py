@@ -34,7 +34,8 @@ _AGED = -(1 << 62)  # queued-at step of preempted requests: aged from the start
 
 
 class WaitingQueue:
-    """Bounded-by-the-caller queue of waiting requests with FCFS or aged-SJF selection."""
+    """Waiting requests with FCFS or aged shortest-first selection (the caller bounds its
+    length: ``max_queue``)."""
 
     def __init__(self, order: str = "shortest", max_wait_steps: int = 64):
         if order not in ADMISSION_ORDERS:

@@ -11,7 +11,12 @@ Four experiments, all Llama-2-7B, each policy the engine's real scheduler:
 * ``latency``: the Azure conversation and code traces replayed at rising speed on a
   2xH100 and an 8xA100 node — latency versus offered load;
 * ``staging``: the engine's own multi-GPU semantics (dev0 computes, peers stage KV) on
-  1, 2 and 8 H100s — what GPU-Prefetch-For-GPU moves and what it costs.
+  1, 2 and 8 H100s — what GPU-Prefetch-For-GPU moves and what it costs;
+* ``admission``: the aligned policy admitting the shortest prompt first (the default) vs in
+  arrival order, offline and on the conversation trace.
+
+Scheduler settings are ``SchedulerConfig``'s defaults with ``catchup_window=8``, as
+``alignedserve simulate`` runs it (its padded and grouped kernels are where catch-up pays).
 
 Everything is deterministic; ``--quick`` shrinks the grid to a smoke test.
 """
@@ -30,6 +35,7 @@ from typing import Any, Mapping
 from alignedserve.bench.metrics import summarize
 from alignedserve.bench.traces import Selection, load_trace
 from alignedserve.bench.workloads import Scaling, Workload, synthetic
+from alignedserve.config import SchedulerConfig
 from alignedserve.sim.config import SimConfig
 from alignedserve.sim.hardware import node_profile
 from alignedserve.sim.models import load_model_profile
@@ -42,6 +48,13 @@ SYSTEMS: Mapping[str, str] = MappingProxyType({  # each system on the kernel it 
     "FT-like (static, padded)": "static:kernel=padded",
     "aligned, engine defaults": "aligned:kernel=padded",
     "aligned, grouped, no host pool": "aligned:kernel=padded:launch=grouped:host_kv_gb=0",
+})
+SCHEDULER = SchedulerConfig(catchup_window=8)
+ALIGNED_GROUPED = "aligned:kernel=padded:launch=grouped:host_kv_gb=0"
+ADMISSION_SYSTEMS: Mapping[str, str] = MappingProxyType({
+    "vLLM-like (fcfs, split-kv)": "fcfs:kernel=split-kv",
+    "aligned, grouped, no pool, arrival order": ALIGNED_GROUPED + ":admission=fcfs",
+    "aligned, grouped, no pool, shortest first": ALIGNED_GROUPED + ":admission=shortest",
 })
 KERNEL_VARIANTS: Mapping[str, str] = MappingProxyType({
     "fcfs": "fcfs", "static": "static", "aligned (defaults)": "aligned",
@@ -82,7 +95,8 @@ def _workloads(trace_dir: str, n: int) -> dict[str, Workload]:
 def run_case(case: Case, workload: Workload) -> dict[str, Any]:
     node, topology = _node(case.node)
     variant = _variant(case.system, case.variant)
-    cfg = variant.apply(SimConfig(load_model_profile(MODEL), node, topology=topology))
+    cfg = variant.apply(SimConfig(load_model_profile(MODEL), node, topology=topology,
+                                  scheduler=SCHEDULER))
     if case.load is None:
         offsets = [0.0] * len(workload.requests)
     else:
@@ -125,6 +139,9 @@ def cases(quick: bool) -> list[Case]:
         for label in ("fcfs", "aligned (defaults)", "aligned grouped"):
             out.append(Case("staging", "varied", f"h100:{n}:staging", label,
                             KERNEL_VARIANTS[label] + ":kernel=padded"))
+    for wl, node, load in (("varied", "h100:1:staging", None), ("azure-conv", "h100:2:dp", 4.0),
+                           ("azure-conv", "h100:2:dp", 6.0)):
+        out += [Case("admission", wl, node, s, v, load) for s, v in ADMISSION_SYSTEMS.items()]
     return out
 
 
@@ -149,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.only and case.experiment != args.only:
             continue
         devices = int(case.node.split(":")[1]) if case.node.endswith(":dp") else 1
-        n = per_device * devices * (2 if case.experiment == "latency" else 1)
+        n = per_device * devices * (2 if case.load is not None else 1)  # traces: twice
         wl = cache.setdefault(n, _workloads(args.trace_dir, n))[case.workload]
         t = time.perf_counter()
         rows.append(run_case(case, wl))

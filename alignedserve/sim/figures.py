@@ -84,6 +84,15 @@ def staging_table(rows: list[Row]) -> str:
                    "peer TB"], body)
 
 
+def admission_table(rows: list[Row]) -> str:
+    sel = [r for r in rows if r["experiment"] == "admission"]
+    body = [[r["node"], r["workload"], _fmt(r["offered_rate"], 1) if r["load"] else "offline",
+             r["system"], _fmt(r["output_tok_s"], 0), _fmt(r["ttft_p50"]), _fmt(r["ttft_p99"]),
+             _fmt(r["e2e_p50"]), _fmt(r["e2e_p99"])] for r in sel]
+    return _table(["node", "workload", "req/s", "system", "out tok/s", "TTFT p50 s",
+                   "TTFT p99 s", "E2E p50 s", "E2E p99 s"], body)
+
+
 # ---- figures -------------------------------------------------------------------------------
 def _figure(rows: int, cols: int, size: tuple[float, float]) -> Any:
     from matplotlib.figure import Figure
@@ -193,7 +202,8 @@ def write_all(rows: list[Row], out_dir: Path) -> str:
     parts = []
     for title, fn, exp in (("Kernels", kernels_table, "kernels"), ("Nodes", nodes_table, "nodes"),
                            ("Latency", latency_table, "latency"),
-                           ("Staging", staging_table, "staging")):
+                           ("Staging", staging_table, "staging"),
+                           ("Admission", admission_table, "admission")):
         if any(r["experiment"] == exp for r in rows):
             parts.append(f"### {title}\n\n{fn(rows)}")
     text = "\n\n".join(parts)
