@@ -2,7 +2,7 @@
 
     python -m alignedserve.sim.experiments --trace-dir ../shared/workloads --output-dir docs/sim
 
-Four experiments, all Llama-2-7B, each policy the engine's real scheduler:
+Five experiments, all Llama-2-7B, each policy the engine's real scheduler:
 
 * ``kernels``: one H100, offline (every request at t=0), every policy variant on every
   decode-attention kernel model — which kernel makes alignment pay;
@@ -43,14 +43,14 @@ from alignedserve.sim.runner import simulate
 from alignedserve.sim.variants import PolicyVariant, parse_variant
 
 MODEL = "llama-2-7b"
+ALIGNED_GROUPED = "aligned:kernel=padded:launch=grouped:host_kv_gb=0"
 SYSTEMS: Mapping[str, str] = MappingProxyType({  # each system on the kernel it ships with
     "vLLM-like (fcfs, split-kv)": "fcfs:kernel=split-kv",
     "FT-like (static, padded)": "static:kernel=padded",
     "aligned, engine defaults": "aligned:kernel=padded",
-    "aligned, grouped, no host pool": "aligned:kernel=padded:launch=grouped:host_kv_gb=0",
+    "aligned, grouped, no host pool": ALIGNED_GROUPED,
 })
 SCHEDULER = SchedulerConfig(catchup_window=8)
-ALIGNED_GROUPED = "aligned:kernel=padded:launch=grouped:host_kv_gb=0"
 ADMISSION_SYSTEMS: Mapping[str, str] = MappingProxyType({
     "vLLM-like (fcfs, split-kv)": "fcfs:kernel=split-kv",
     "aligned, grouped, no pool, arrival order": ALIGNED_GROUPED + ":admission=fcfs",
