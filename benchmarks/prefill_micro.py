@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from alignedserve.executor import kernels, kv_layout
+from alignedserve.executor.attention import continuation_mask
 
 HEADS, KV_HEADS, DIM, SCALE = 9, 3, 64, 0.125
 
@@ -48,11 +49,7 @@ def kernel_call(q: torch.Tensor, cache: torch.Tensor, start: int):
 
 def sdpa_call(q: torch.Tensor, cache: torch.Tensor, start: int):
     stop = start + q.shape[0]
-    mask = None
-    if start:
-        rows = torch.arange(q.shape[0]).unsqueeze(1) + start
-        mask = torch.zeros(q.shape[0], stop, dtype=q.dtype).masked_fill(
-            torch.arange(stop).unsqueeze(0) > rows, float("-inf"))
+    mask = continuation_mask(start, q.shape[0], q.dtype, q.device)
 
     def run():
         keys = kv_layout.read(cache[0], stop, kv_layout.KEYS)

@@ -62,7 +62,7 @@ class AlignedScheduler(BaseScheduler):
     def _enqueue(self, request: Request) -> None:
         if len(self.waiting) >= self.config.max_queue:
             raise QueueFull(f"{len(self.waiting)} requests are waiting (max_queue)")
-        self.waiting.push(request, self.step_index, self._prefill_left(request))
+        self.waiting.push(request, self.step_index, self.prefill_tokens_left(request))
 
     def _forget(self, request: Request) -> None:
         if request in self.waiting:
@@ -73,9 +73,6 @@ class AlignedScheduler(BaseScheduler):
             cohort.requests.remove(request)
             if not cohort.requests:
                 del self.cohorts[cohort.cohort_id]
-
-    def _prefill_left(self, request: Request) -> int:
-        return self.prefill_target(request) - request.num_computed_tokens
 
     def num_waiting(self) -> int:
         return len(self.waiting)
@@ -363,4 +360,4 @@ class AlignedScheduler(BaseScheduler):
             request.num_computed_tokens = 0
             request.num_preemptions += 1
             request.status = RequestStatus.WAITING
-            self.waiting.push_front(request, self._prefill_left(request))
+            self.waiting.push_front(request, self.prefill_tokens_left(request))

@@ -155,10 +155,14 @@ class BaseScheduler:
             return request.num_prompt_tokens
         return request.num_tokens - 1  # recompute after preemption: all but the newest token
 
+    def prefill_tokens_left(self, request: Request) -> int:
+        """Tokens still to prefill before ``request`` can decode."""
+        return self.prefill_target(request) - request.num_computed_tokens
+
     def next_chunk(self, request: Request, budget: int) -> PrefillChunk | None:
         """The next prefill chunk of ``request`` within ``budget`` tokens, or None."""
         target = self.prefill_target(request)
-        n = min(target - request.num_computed_tokens, budget)
+        n = min(self.prefill_tokens_left(request), budget)
         if n <= 0:
             return None
         end = request.num_computed_tokens + n

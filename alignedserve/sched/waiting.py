@@ -82,8 +82,8 @@ class WaitingQueue:
             return oldest
         while True:
             _, _, request = self._by_length[0]
-            if request.request_id in self._arrivals and \
-                    self._arrivals[request.request_id][1] is request:
+            entry = self._arrivals.get(request.request_id)
+            if entry is not None and entry[1] is request:
                 return request
             heapq.heappop(self._by_length)  # stale: removed since it was pushed
 
