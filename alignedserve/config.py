@@ -54,6 +54,10 @@ class CacheConfig:
     # Lay bf16 caches out in AMX tile blocks (alignedserve.executor.kv_layout) where the CPU
     # and build have AMX-BF16 and head_dim is 64; False keeps every cache token-major.
     tiled_layout: bool = True
+    # Fault in the device tiers' KV budget at start-up where it is CPU memory (capped at half
+    # the free RAM), as vLLM reserves its KV cache, so no request waits on page faults; the
+    # server turns it on (alignedserve.huge_pages says why faults are slow here).
+    preallocate_kv: bool = False
 
     def device_bytes(self) -> list[int]:
         return [int(self.device_kv_gb * GiB)] * self.num_devices

@@ -9,13 +9,14 @@ reported together under the caller's id.
 from __future__ import annotations
 
 import dataclasses
+import os
 import logging
 import time
 from dataclasses import dataclass
 
 import torch
 
-from alignedserve.config import EngineConfig
+from alignedserve.config import GiB, EngineConfig
 from alignedserve.executor.kernels import tiled_kv_applies
 from alignedserve.executor.kv_pool import KVPool
 from alignedserve.executor.runner import ModelExecutor
@@ -98,11 +99,24 @@ class LLMEngine:
                       tiled)
         log.info("KV cache: %s, %s layout", str(self.kv_dtype).removeprefix("torch."),
                  "tiled (AMX)" if tiled else "token-major")
+        if cache.preallocate_kv:
+            self._preallocate(pool, tier_devices)
         self.executor = ModelExecutor(self.loaded, pool, self.device, config.seed)
         self.scheduler = make_scheduler(config.policy, config.scheduler, self.store)
         self.stats = StepStats()
         self._groups: dict[str, _Group] = {}
         self._seq_group: dict[str, _Group] = {}
+
+    def _preallocate(self, pool: KVPool, tier_devices: dict[str, torch.device]) -> None:
+        """Fault in the CPU device tiers' KV budget, at most half the free RAM."""
+        budget = sum(self.store.total(t) for t in self.store.device_tiers
+                     if tier_devices[t].type == "cpu") * self.store.bytes_per_token
+        free_ram = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        start = time.perf_counter()
+        reserved = pool.preallocate(min(budget, free_ram // 2))
+        if reserved:
+            log.info("KV cache: %.1f GiB preallocated in %.1f s", reserved / GiB,
+                     time.perf_counter() - start)
 
     def _tier_device(self, index: int) -> torch.device:
         if self.device.type == "cuda":

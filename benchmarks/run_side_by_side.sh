@@ -5,7 +5,8 @@
 # ../shared/peers/README.md; missing ones are skipped. Targets: env TARGETS (default all); a
 # target NAME-fp8 (aligned-fp8, vllm-fp8, ...) runs NAME with an fp8 e5m2 KV cache, and
 # NAME-flat (aligned-flat, fcfs-flat) ours with token-major bf16 caches (--no-tiled-kv), and
-# aligned-arrival the aligned policy admitting in arrival order (--admission fcfs).
+# aligned-arrival the aligned policy admitting in arrival order (--admission fcfs), and
+# NAME-4k ours with KV caches and weights on 4 KiB pages (ALIGNEDSERVE_HUGE_PAGES=0).
 # Workloads: varied, uniform (synthetic), conv, code (Azure 2023 traces from TRACE_DIR).
 set -uo pipefail
 OUT=${1:?output dir}; shift
@@ -32,16 +33,18 @@ bench_args() {  # workload name -> bench arguments
 }
 
 start() {  # target -> sets PID and PORT
-  local engine=${1%-fp8} kv=()
+  local engine=${1%-fp8} kv=() envs=()
   engine=${engine%-flat}
   engine=${engine%-arrival}
+  engine=${engine%-4k}
   [[ $1 == *-fp8 ]] && kv=(--kv-cache-dtype fp8_e5m2)
   [[ $1 == *-flat ]] && kv=(--no-tiled-kv)
   [[ $1 == *-arrival ]] && kv=(--admission fcfs)
+  [[ $1 == *-4k ]] && envs=(ALIGNEDSERVE_HUGE_PAGES=0)  # KV and weights on 4 KiB pages
   case $engine in
     vllm) PORT=8101; "$PEERS/start_vllm.sh" "${kv[@]}" > "$OUT/$1.log" 2>&1 & PID=$! ;;
     llamacpp) PORT=8102; "$PEERS/start_llamacpp.sh" --no-cache-prompt > "$OUT/$1.log" 2>&1 & PID=$! ;;
-    *) PORT=8100; $PY -m alignedserve.entrypoints.cli serve --port 8100 --policy "$engine" \
+    *) PORT=8100; env "${envs[@]}" $PY -m alignedserve.entrypoints.cli serve --port 8100 --policy "$engine" \
          "${kv[@]}" --no-access-log > "$OUT/$1.log" 2>&1 & PID=$! ;;
   esac
   for _ in $(seq 600); do

@@ -7,7 +7,9 @@ import argparse
 from alignedserve.config import CacheConfig, EngineConfig, SchedulerConfig
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
+def add_engine_args(parser: argparse.ArgumentParser, preallocate_kv: bool = False) -> None:
+    """Engine options; ``preallocate_kv`` is the default of --preallocate-kv (the server's is
+    on: it runs for long, and no request should wait on page faults)."""
     sched = SchedulerConfig()  # scheduler defaults come from the config, so they cannot drift
     g = parser.add_argument_group("engine")
     g.add_argument("--model", default=None,
@@ -49,6 +51,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-tiled-kv", dest="tiled_kv", action="store_false",
                    help="keep bf16 KV caches token-major (default: AMX tile blocks where the "
                         "CPU has AMX-BF16 and head_dim is 64)")
+    g.add_argument("--preallocate-kv", action=argparse.BooleanOptionalAction,
+                   default=preallocate_kv,
+                   help="fault in the device KV budget at start-up (CPU; at most half the free "
+                        "RAM)")
     g.add_argument("--num-devices", type=int, default=1,
                    help="device KV tiers; devices beyond the first stage KV for it")
     g.add_argument("--prefetch-link-tokens", type=int, default=0,
@@ -71,4 +77,5 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                                   max_admit_wait_steps=args.max_admit_wait_steps,
                                   prefetch_link_tokens=args.prefetch_link_tokens),
         cache=CacheConfig(device_kv_gb=args.device_kv_gb, host_kv_gb=args.host_kv_gb,
-                          num_devices=args.num_devices, tiled_layout=args.tiled_kv))
+                          num_devices=args.num_devices, tiled_layout=args.tiled_kv,
+                          preallocate_kv=args.preallocate_kv))

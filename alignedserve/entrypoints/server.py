@@ -155,7 +155,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    choices=["critical", "error", "warning", "info", "debug"])
     g.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True,
                    help="log one line per HTTP request")
-    add_engine_args(p)
+    add_engine_args(p, preallocate_kv=True)
     p.set_defaults(func=_serve)
 
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from alignedserve.huge_pages import HugePageArena, huge_pages_supported
 from alignedserve.kv.store import KVHandle, KVOp, KVOpKind
 
 
@@ -54,12 +55,25 @@ class KVPool:
         self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-copy")
         self._cuda_stream = torch.cuda.Stream() if any(
             d.type == "cuda" for d in tier_devices.values()) else None
+        # CPU caches come from recycled huge pages: the decode step streams them from DRAM, and
+        # huge pages read faster (alignedserve/huge_pages.py). With CUDA, host caches are pinned.
+        self._arena = (HugePageArena() if self._cuda_stream is None and huge_pages_supported()
+                       else None)
 
     def _empty(self, tier: str, capacity: int) -> torch.Tensor:
         layers, two, heads, dim = self.shape
-        pin = self.tier_devices[tier].type == "cpu" and self._cuda_stream is not None
-        return torch.empty((layers, two, heads, capacity, dim), dtype=self.dtype,
-                           device=self.tier_devices[tier], pin_memory=pin)
+        shape = (layers, two, heads, capacity, dim)
+        on_cpu = self.tier_devices[tier].type == "cpu"
+        if on_cpu and self._arena is not None:
+            return self._arena.empty(shape, self.dtype)
+        pin = on_cpu and self._cuda_stream is not None  # host memory for async CUDA copies
+        return torch.empty(shape, dtype=self.dtype, device=self.tier_devices[tier],
+                           pin_memory=pin)
+
+    def preallocate(self, nbytes: int) -> int:
+        """Fault in ``nbytes`` of CPU cache memory now (0 where caches are not arena-backed);
+        returns the bytes reserved."""
+        return self._arena.reserve(nbytes) if self._arena is not None else 0
 
     def get(self, handle: KVHandle) -> torch.Tensor:
         return self._tensors[handle]

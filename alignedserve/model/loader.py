@@ -25,6 +25,7 @@ from torch import Tensor
 from alignedserve.model.config import ModelConfig
 from alignedserve.model.default_model import cache_dir, default_model_path
 from alignedserve.model.llama import LlamaForCausalLM
+from alignedserve.huge_pages import move_to_huge_pages
 from alignedserve.model.packed_linear import pack_linears
 
 # Chat-turn terminators that should stop generation even when the tokenizer's eos is
@@ -89,6 +90,8 @@ def _build_model(
     model.load_weights(weights)
     model.eval().requires_grad_(False)
     pack_linears(model)  # bf16 on CPU only; see packed_linear.py
+    if device == "cpu":
+        move_to_huge_pages(model)  # weights stream from DRAM every step; see huge_pages.py
     return model
 
 
