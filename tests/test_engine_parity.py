@@ -13,8 +13,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from alignedserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from alignedserve.config import GiB, CacheConfig, EngineConfig, SchedulerConfig
 from alignedserve.engine import LLMEngine
+from alignedserve.huge_pages import HUGE_PAGE
 from alignedserve.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.model
@@ -66,12 +67,16 @@ def reference(default_model_hf_fp32, prompts):
 
 
 def run_engine(loaded, prompts, policy: str, device_kv_gb: float = 2.0,
-               max_batched: int = 512) -> list[list[int]]:
+               max_batched: int = 512, preallocate_kv: bool = False) -> list[list[int]]:
     config = EngineConfig(dtype="float32", policy=policy,
                           scheduler=SchedulerConfig(max_num_batched_tokens=max_batched,
                                                     kv_reserve_tokens=32),
-                          cache=CacheConfig(device_kv_gb=device_kv_gb, host_kv_gb=2.0))
+                          cache=CacheConfig(device_kv_gb=device_kv_gb, host_kv_gb=2.0,
+                                            preallocate_kv=preallocate_kv))
     engine = LLMEngine(config, loaded)
+    arena = engine.executor.pool._arena
+    if preallocate_kv and arena is not None:  # the device budget was faulted in up front
+        assert arena.mapped_pages * HUGE_PAGE >= device_kv_gb * GiB
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     results: dict[str, list[int]] = {}
     half = len(prompts) // 2
@@ -105,6 +110,8 @@ def test_greedy_matches_transformers_fp32(default_model_fp32, prompts, reference
 
 def test_aligned_with_tiny_device_budget_writes_back_and_prefetches(default_model_fp32, prompts,
                                                                     reference):
-    # ~0.15 GiB of fp32 KV holds ~3.5k tokens: the long prompts cannot all stay on the device
+    # ~0.15 GiB of fp32 KV holds ~3.5k tokens: the long prompts cannot all stay on the device.
+    # The device budget is preallocated, so caches reuse memory that earlier ones wrote.
     assert_matches(reference, run_engine(default_model_fp32, prompts, "aligned",
-                                         device_kv_gb=0.15, max_batched=256))
+                                         device_kv_gb=0.15, max_batched=256,
+                                         preallocate_kv=True))

@@ -63,6 +63,22 @@ def test_greedy_on_bf16_logits_is_the_float32_argmax():
     assert all(isinstance(lp, float) for lp in with_logprobs.logprobs)
 
 
+@pytest.mark.parametrize("vocab", [1, 17, 49152, 49157])
+def test_greedy_bf16_kernel_matches_torch_max_on_ties_infs_and_nans(vocab):
+    """The compiled argmax (bf16 greedy fast path) against torch's max: first index on ties,
+    inf and -inf rows, row tails that are not whole vectors; a NaN row falls back to torch."""
+    logits = (random_logits(6, vocab) * 4).to(torch.bfloat16)
+    logits[0, -1] = logits[0].max()  # a tie with an earlier maximum: the first one wins
+    logits[1, vocab // 2] = float("inf")
+    logits[2] = float("-inf")
+    logits[3, vocab - 1] = float("nan")
+    logits[4, 0] = float("nan")
+    strided = torch.cat([logits, logits], dim=1)[:, :vocab]  # rows with a stride > vocab
+    for x in (logits, strided):
+        out = Sampler(seed=0)(x, [row(temperature=0.0) for _ in range(6)])
+        assert out.token_ids == x.max(dim=-1).indices.tolist()
+
+
 def test_greedy_with_logprobs_reports_raw_logprobs():
     logits = random_logits(40, 1000)
     out = Sampler(seed=0)(logits, [row(temperature=0.0, logprobs=0) for _ in range(40)])

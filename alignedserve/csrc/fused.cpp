@@ -32,6 +32,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 
 // Masked 16-bit loads/stores need AVX512BW+VL on top of AVX512F (every AVX-512 server CPU
 // since Skylake-SP has them); anything else takes the portable path.
@@ -413,6 +414,58 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   return out;
 }
 
+// Index of the first maximum of a bf16 row, or -1 when the row holds a NaN (the caller asks
+// torch then, whose max treats NaN as largest). bf16 widens to fp32 exactly, so comparing the
+// widened values is comparing the bf16 ones. Each lane keeps its first maximum (strict >); of
+// the lanes holding the row's maximum the smallest index wins: the row's first maximum.
+int64_t argmax_row(const uint16_t* x, int64_t n) {
+#if defined(ALIGNEDSERVE_FUSED_AVX512)
+  __m512 best = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512i best_at = _mm512_set1_epi32(0);
+  __m512i at = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i step = _mm512_set1_epi32(kLanes);
+  __mmask16 nan = 0;
+  for (int64_t j = 0; j < n; j += kLanes) {
+    const __mmask16 valid = lanes(n - j);
+    const __m512 v = _mm512_mask_mov_ps(best, valid, vload(x + j, n - j).r);
+    nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    const __mmask16 up = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ);
+    best = _mm512_mask_mov_ps(best, up, v);
+    best_at = _mm512_mask_mov_epi32(best_at, up, at);
+    at = _mm512_add_epi32(at, step);
+  }
+  if (nan) return -1;
+  const float top = _mm512_reduce_max_ps(best);
+  const __mmask16 holders = _mm512_cmp_ps_mask(best, _mm512_set1_ps(top), _CMP_EQ_OQ);
+  return _mm512_mask_reduce_min_epi32(holders, best_at);
+#else
+  int64_t at = 0;
+  float top = -std::numeric_limits<float>::infinity();
+  for (int64_t j = 0; j < n; ++j) {
+    const float v = bf16_to_float(x[j]);
+    if (std::isnan(v)) return -1;
+    if (v > top) top = v, at = j;
+  }
+  return at;
+#endif
+}
+
+// Greedy token per row: first argmax of each bf16 row of `logits` ([rows, vocab]); -1 marks a
+// row holding a NaN.
+at::Tensor argmax_rows(const at::Tensor& logits) {
+  check_rows("argmax_rows", "logits", logits, false);
+  const int64_t rows = logits.size(0), n = logits.size(1);
+  FUSED_CHECK(n > 0 && n < (int64_t{1} << 31), "argmax_rows: need 0 < vocab < 2^31, got ", n);
+  at::Tensor out = at::empty({rows}, logits.options().dtype(at::kLong));
+  const uint16_t* lp = row_ptr(logits);
+  int64_t* op = out.data_ptr<int64_t>();
+  const int64_t ls = logits.stride(0);
+  at::parallel_for(0, rows, grain_rows(n), [&](int64_t lo, int64_t hi) {
+    for (int64_t t = lo; t < hi; ++t) op[t] = argmax_row(lp + t * ls, n);
+  });
+  return out;
+}
+
 }  // namespace
 
 void register_fused(pybind11::module_& m) {
@@ -428,6 +481,8 @@ void register_fused(pybind11::module_& m) {
         arg("head_dim"));
   m.def("silu_mul", &silu_mul, "r(r(silu(gate)) * up) for gate_up = [gate | up] rows (bf16).",
         arg("gate_up"));
+  m.def("argmax_rows", &argmax_rows,
+        "First argmax of each bf16 row (int64); -1 where the row holds a NaN.", arg("logits"));
 }
 
 }  // namespace alignedserve

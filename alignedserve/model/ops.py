@@ -27,7 +27,7 @@ from torch import Tensor
 from alignedserve.executor.kernels import kernels_disabled, load_kernels
 
 
-def _kernels(*tensors: Tensor) -> ModuleType | None:
+def kernels_for(*tensors: Tensor) -> ModuleType | None:
     """The compiled module if it may take these tensors (dtype/device/autograd), else None."""
     # Plain loops and is_cpu: this runs ~4 times per layer per step, so it is kept to ~1 us.
     for t in tensors:
@@ -58,7 +58,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     The statistics are float32 and the normalised value is cast back to x's dtype before the
     weight (as Hugging Face Llama does). Returns a new tensor; x is not modified.
     """
-    module = _kernels(x, weight)
+    module = kernels_for(x, weight)
     if module is not None and _rows(x) and weight.dim() == 1 and weight.is_contiguous():
         return module.rms_norm(x, weight, eps)
     return rms_norm_reference(x, weight, eps)
@@ -79,7 +79,7 @@ def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor,
     written into ``residual`` and the returned residual is that same tensor; reference path:
     a new tensor. Use the returned one either way.
     """
-    module = _kernels(x, residual, weight)
+    module = kernels_for(x, residual, weight)
     if (module is not None and _rows(x) and _rows(residual) and _disjoint_rows(residual)
             and weight.dim() == 1 and weight.is_contiguous()):
         return module.add_rms_norm(x, residual, weight, eps), residual
@@ -109,7 +109,7 @@ def rotary_qkv(qkv: Tensor, cos: Tensor, sin: Tensor, num_heads: int, num_kv_hea
     """
     if cos.dim() == 3:
         cos, sin = cos.squeeze(1), sin.squeeze(1)
-    module = _kernels(qkv, cos, sin)
+    module = kernels_for(qkv, cos, sin)
     if (module is not None and _rows(qkv) and _disjoint_rows(qkv) and _rows(cos)
             and _rows(sin)):
         module.rotary_qkv_(qkv, cos, sin, num_heads, num_kv_heads, head_dim)
@@ -135,7 +135,7 @@ def rotary_qkv_reference(qkv: Tensor, cos: Tensor, sin: Tensor, num_heads: int,
 
 def silu_mul(gate_up: Tensor) -> Tensor:
     """SwiGLU activation: gate_up [T, 2*I] = [gate | up] -> ``silu(gate) * up`` [T, I]."""
-    module = _kernels(gate_up)
+    module = kernels_for(gate_up)
     if module is not None and _rows(gate_up):
         return module.silu_mul(gate_up)
     return silu_mul_reference(gate_up)

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from alignedserve.model.ops import kernels_for
 from alignedserve.sampling_params import SamplingParams
 
 # Temperatures below this are treated as greedy (as vLLM does): dividing by them overflows float32.
@@ -103,11 +104,18 @@ class Sampler:
         """All rows plain greedy: a max per row; no log-probs (nobody asked for them). Runs on
         the logits' own dtype: widening to float32 is exact, so the argmax (first max on ties)
         is the same, and skipping it saves ~1.7 ms of a 64-row bf16 decode step."""
-        if logits.shape[0] == 0:
+        n = logits.shape[0]
+        if n == 0:
             return SampleResult([], [], [])
+        kernels = kernels_for(logits)
+        if kernels is not None and logits.stride(-1) == 1:
+            # One vectorised pass per row (~0.2 ms for 64 x 49k bf16 vs ~1.4-2.7 ms for max).
+            tokens = kernels.argmax_rows(logits).tolist()
+            for i in (i for i, t in enumerate(tokens) if t < 0):  # a NaN: torch's max decides
+                tokens[i] = int(logits[i].max(dim=-1).indices)
+            return SampleResult(tokens, [None] * n, [None] * n)
         # max is faster than argmax on CPU; the first max wins ties.
         ids = [chunk.max(dim=-1).indices for chunk in logits.split(self._chunk_rows)]
-        n = logits.shape[0]
         return SampleResult(torch.cat(ids).tolist(), [None] * n, [None] * n)
 
     def _sample_chunk(self, raw: torch.Tensor, rows: list[SamplingRow]) -> SampleResult:
