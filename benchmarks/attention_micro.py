@@ -6,6 +6,11 @@ row's KV once, so the rows come from DRAM. hot: 8 rows of 1,000 tokens, one laye
 repeatedly (~6 MB in bf16: stays in cache), i.e. the kernel's arithmetic rate.
 
     python benchmarks/attention_micro.py [--dtypes bfloat16 float8_e5m2] [--threads 2] [--tiled]
+    python benchmarks/attention_micro.py --huge-pages-ab [--length 640]
+
+--huge-pages-ab times 30 layers over 64 bf16 tiled rows of one length with the caches on huge
+pages (alignedserve.huge_pages, as the engine allocates them) and on torch's 4 KiB pages,
+alternating in one process so that the machine's drift hits both alike.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import time
 import torch
 
 from alignedserve.executor.kernels import load_kernels
+from alignedserve.huge_pages import HugePageArena, huge_pages_supported
 
 LAYERS, KV_HEADS, HEADS, DIM = 30, 3, 9, 64  # SmolLM2-135M
 
@@ -30,12 +36,22 @@ def time_calls(fn, calls: int) -> float:
     return (time.perf_counter() - start) / calls
 
 
+def make_caches(dtype: torch.dtype, lengths: list[int], layers: int,
+                arena: HugePageArena | None = None) -> list[torch.Tensor]:
+    """One random cache per row, from ``arena`` (huge pages) or torch's allocator."""
+    caches = []
+    for n in lengths:
+        shape = (layers, 2, KV_HEADS, (n + 256) // 16 * 16, DIM)
+        cache = arena.empty(shape, dtype) if arena else torch.empty(shape, dtype=dtype)
+        caches.append(cache.copy_(torch.randn(shape)))
+    return caches
+
+
 def run(kernels, dtype: torch.dtype, lengths: list[int], layers: int, calls: int,
-        tiled: bool = False) -> float:
+        tiled: bool = False, caches: list[torch.Tensor] | None = None) -> float:
     """Seconds per pass over ``layers`` layers of all rows."""
     rows = len(lengths)
-    caches = [torch.randn(layers, 2, KV_HEADS, (n + 256) // 16 * 16, DIM).to(dtype)
-              for n in lengths]
+    caches = caches or make_caches(dtype, lengths, layers)
     q = torch.randn(rows, HEADS, DIM, dtype=torch.bfloat16)
     kv = torch.randn(rows, KV_HEADS, DIM, dtype=torch.bfloat16)
     pos = torch.tensor(lengths, dtype=torch.long)
@@ -53,11 +69,17 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--tiled", action="store_true",
                         help="bf16 caches in the AMX tile layout (alignedserve.executor.kv_layout)")
+    parser.add_argument("--huge-pages-ab", action="store_true",
+                        help="huge-page vs 4 KiB caches, alternating (bf16, tiled)")
+    parser.add_argument("--length", type=int, default=640, help="tokens per row (A/B only)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     kernels = load_kernels()
     if kernels is None:
         raise SystemExit("the compiled kernels are unavailable")
+    if args.huge_pages_ab:
+        huge_pages_ab(kernels, args.length)
+        return
     rng = random.Random(0)
     varied = [int(math.exp(rng.uniform(math.log(64), math.log(3072)))) + 128 for _ in range(64)]
     for name in args.dtypes:
@@ -69,6 +91,20 @@ def main() -> None:
         print(f"{name}: cold {cold * 1e3:.1f} ms per 30 layers x 64 rows ({sum(varied)} tokens), "
               f"{nbytes / cold / 1e9:.1f} GB/s, {pairs / cold / 1e6:.0f} M (token, kv head)/s; "
               f"hot {8000 * KV_HEADS / hot / 1e6:.0f} M (token, kv head)/s")
+
+
+def huge_pages_ab(kernels, length: int, rounds: int = 20) -> None:
+    if not huge_pages_supported():
+        raise SystemExit("huge pages are unavailable here (or ALIGNEDSERVE_HUGE_PAGES=0)")
+    lengths = [length] * 64
+    caches = {"huge pages": make_caches(torch.bfloat16, lengths, LAYERS, HugePageArena()),
+              "4 KiB pages": make_caches(torch.bfloat16, lengths, LAYERS)}
+    total = dict.fromkeys(caches, 0.0)
+    for r in range(rounds):
+        for name in (list(caches) if r % 2 else reversed(list(caches))):
+            total[name] += run(kernels, torch.bfloat16, lengths, LAYERS, 1, True, caches[name])
+    for name, seconds in total.items():
+        print(f"{name}: {seconds / rounds * 1e3:.1f} ms per 30 layers x 64 rows of {length} tokens")
 
 
 if __name__ == "__main__":
