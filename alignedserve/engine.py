@@ -9,14 +9,14 @@ reported together under the caller's id.
 from __future__ import annotations
 
 import dataclasses
-import os
 import logging
+import os
 import time
 from dataclasses import dataclass
 
 import torch
 
-from alignedserve.config import GiB, EngineConfig
+from alignedserve.config import EngineConfig, GiB
 from alignedserve.executor.kernels import tiled_kv_applies
 from alignedserve.executor.kv_pool import KVPool
 from alignedserve.executor.runner import ModelExecutor

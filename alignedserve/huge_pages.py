@@ -3,7 +3,8 @@
 A decode step streams every request's KV and every weight matrix from DRAM once. On 4 KiB
 pages each new page of those streams costs a TLB miss whose page walk also misses the caches;
 on 2 MiB pages that is gone. Measured on the 2-core VM, 30 layers of decode attention over 64
-rows (same process, alternating): 61.0 vs 74.6 ms at 640 tokens, 127 vs 139 ms at 1,500; see
+rows of 640 tokens (same process, alternating; `benchmarks/attention_micro.py
+--huge-pages-ab`): 61.0 vs 74.6 ms in a busy hour, 46.6 vs 47.5 ms in a quiet one; see
 docs/architecture.md, "Huge pages".
 
 Linux gives anonymous memory huge pages when the mapping is private and advised
@@ -12,9 +13,10 @@ Linux gives anonymous memory huge pages when the mapping is private and advised
 neither, so:
 
 * `HugePageArena` hands out KV caches from huge-page mappings it keeps and reuses. Faulting
-  huge pages in is slow here (the kernel compacts memory to find 2 MiB blocks: a fresh mapping
-  per request made the uniform benchmark's prefill ~3 s slower), so memory is faulted in once
-  and recycled, as a serving engine's KV pool should be anyway.
+  fresh huge pages in is slow on this VM (~1.4 s per GiB, vs 0.2 s on 4 KiB pages; no memory
+  compaction was recorded, so probably the hypervisor backing guest memory not used before): a
+  fresh mapping per request made the uniform benchmark's prefill ~3 s slower. So memory is
+  faulted in once and recycled, as a serving engine's KV pool should be anyway.
 * `move_to_huge_pages` copies the model's dense parameters and buffers into one such mapping.
 
 ``ALIGNEDSERVE_HUGE_PAGES=0`` in the environment turns both off (for A/B runs, or a kernel
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import math
 import mmap
 import os
 import threading
@@ -55,13 +58,6 @@ def _huge_mapping(nbytes: int) -> tuple[mmap.mmap, int]:
     return mapping, -address % HUGE_PAGE
 
 
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for size in shape:
-        n *= size
-    return n
-
-
 class HugePageArena:
     """CPU tensors carved from huge-page chunks, their memory reused once they are freed.
 
@@ -85,7 +81,7 @@ class HugePageArena:
 
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
         """An uninitialised tensor of ``shape`` and ``dtype`` on huge pages."""
-        nbytes = _numel(shape) * torch.empty(0, dtype=dtype).element_size()
+        nbytes = math.prod(shape) * dtype.itemsize
         if nbytes == 0:
             return torch.empty(shape, dtype=dtype)
         pages = -(-nbytes // HUGE_PAGE)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from alignedserve.config import GiB, CacheConfig, EngineConfig, SchedulerConfig
+from alignedserve.config import CacheConfig, EngineConfig, GiB, SchedulerConfig
 from alignedserve.engine import LLMEngine
 from alignedserve.huge_pages import HUGE_PAGE
 from alignedserve.sampling_params import SamplingParams
