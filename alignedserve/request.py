@@ -48,6 +48,9 @@ class Request:
     finish_time: float | None = None
     num_preemptions: int = 0
     error: str | None = None
+    # Scheduler step at which the request first entered the waiting queue (set by
+    # sched.waiting.WaitingQueue.push, kept across preemptions: it orders aged requests).
+    queued_step: int | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

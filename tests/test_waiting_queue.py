@@ -48,11 +48,32 @@ def test_preempted_requests_go_first_and_removed_ones_never_come_back():
     queue, reqs = _queue()
     queue.remove(reqs[1])
     back = make_request("back", 900, 1)
-    queue.push_front(back, 900)
+    queue.push_front(back)
     assert len(queue) == 4 and back in queue and reqs[1] not in queue
     assert [r.request_id for r in queue] == ["back", "r0", "r2", "r3"]
     assert _drain(queue, step=1) == ["back", "r3", "r2", "r0"]
     assert queue.peek(1) is None
+
+
+def test_preempted_requests_keep_their_age():
+    """Back from preemption, a request is aged but keeps the step it first queued at: it goes
+    before younger ones (other preempted ones included) and after an older aged one."""
+    queue = WaitingQueue("shortest", 10)
+    old, mid, young = (make_request(n, 50, 1) for n in ("old", "mid", "young"))
+    for step, r in enumerate((old, mid, young)):
+        queue.push(r, step, 50)
+    for r in (old, mid, young):
+        queue.remove(r)  # admitted
+    queue.push_front(young)  # preempted, younger first (a cohort's reversed order)
+    queue.push_front(mid)
+    waiting = make_request("waiting", 5, 1)
+    queue.push(waiting, 1, 5)  # queued with mid: on a tie the preempted one goes first
+    assert [r.request_id for r in queue] == ["mid", "young", "waiting"]
+    assert _drain(queue, step=5) == ["mid", "young", "waiting"]
+    queue.push_front(old)
+    queue.push(waiting, 1, 5)
+    queue.push(make_request("later", 5, 1), 4, 5)
+    assert _drain(queue, step=20) == ["old", "waiting", "later"]  # all aged: by first step
 
 
 def test_rejects_unknown_orders():

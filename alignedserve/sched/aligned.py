@@ -360,4 +360,4 @@ class AlignedScheduler(BaseScheduler):
             request.num_computed_tokens = 0
             request.num_preemptions += 1
             request.status = RequestStatus.WAITING
-            self.waiting.push_front(request, self.prefill_tokens_left(request))
+            self.waiting.push_front(request)

@@ -12,12 +12,16 @@ Two orders, chosen by ``SchedulerConfig.admission``:
 Waiting bound (``shortest``): a request is passed over by a younger request only during its
 first ``max_admit_wait_steps`` steps in the queue; after that it waits at most what it would
 under ``fcfs`` behind the requests that arrived before it. Preempted requests (``push_front``)
-count as aged: they go first, as under ``fcfs``.
+count as aged from the start and keep the step they first queued at: aged and preempted
+requests go in that order, so a preempted request goes before every younger one (under
+``fcfs``, before everything waiting, as in vLLM) but not before an older aged one.
 
-Invariant: every request in the queue is in ``_arrivals`` (arrival order, with the step it
-was queued at); ``_by_length`` is a heap over the same requests, with stale entries (removed
-requests) skipped lazily. All operations are O(log n) amortised, so a deep queue (the
-default bound is 100k) costs nothing per step.
+Invariant: a queued request is in exactly one of ``_arrivals`` (never admitted: arrival order,
+with the step it was queued at) and ``_preempted`` (back after preemption; few); ``_by_length``
+is a heap over ``_arrivals``, with stale entries (removed requests) skipped lazily. Operations
+on ``_arrivals`` are O(log n) amortised, so a deep queue (the default bound is 100k) costs
+nothing per step; ``_preempted`` is scanned (it holds at most one cohort's worth per
+preemption).
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from collections.abc import Iterator
 from alignedserve.request import Request
 
 ADMISSION_ORDERS = ("shortest", "fcfs")
-_AGED = -(1 << 62)  # queued-at step of preempted requests: aged from the start
+_NEVER_QUEUED = -(1 << 62)  # order key of a preempted request that was never pushed: oldest
 
 
 class WaitingQueue:
@@ -45,41 +49,54 @@ class WaitingQueue:
         self.order = order
         self.max_wait_steps = max_wait_steps
         self._arrivals: OrderedDict[str, tuple[int, Request]] = OrderedDict()
+        self._preempted: dict[str, tuple[int, int, Request]] = {}  # id -> (queued, seq, req)
         self._by_length: list[tuple[int, int, Request]] = []
         self._seq = itertools.count()
 
     def __len__(self) -> int:
-        return len(self._arrivals)
+        return len(self._arrivals) + len(self._preempted)
 
     def __contains__(self, request: Request) -> bool:
-        return request.request_id in self._arrivals
+        return request.request_id in self._arrivals or request.request_id in self._preempted
 
     def __iter__(self) -> Iterator[Request]:
-        """Waiting requests in arrival order (preempted ones first)."""
-        return (request for _, request in self._arrivals.values())
+        """Waiting requests: the preempted ones (oldest first), then the rest in arrival order."""
+        yield from (entry[2] for entry in sorted(self._preempted.values(), key=_order))
+        yield from (request for _, request in self._arrivals.values())
 
     def push(self, request: Request, step: int, prefill_tokens: int) -> None:
         """Queue a new request at scheduler step ``step``; it needs ``prefill_tokens``."""
+        if request.queued_step is None:
+            request.queued_step = step
         self._arrivals[request.request_id] = (step, request)
-        self._push_length(request, prefill_tokens)
+        if self.order == "shortest":
+            heapq.heappush(self._by_length, (prefill_tokens, next(self._seq), request))
 
-    def push_front(self, request: Request, prefill_tokens: int) -> None:
-        """Queue a preempted request ahead of everyone (it counts as aged)."""
-        self._arrivals[request.request_id] = (_AGED, request)
-        self._arrivals.move_to_end(request.request_id, last=False)
-        self._push_length(request, prefill_tokens)
+    def push_front(self, request: Request) -> None:
+        """Queue a preempted request; it counts as aged, ordered by when it first queued."""
+        queued = _NEVER_QUEUED if request.queued_step is None else request.queued_step
+        self._preempted[request.request_id] = (queued, next(self._seq), request)
 
     def remove(self, request: Request) -> None:
-        """Take ``request`` out (admitted or aborted); its heap entry goes stale."""
-        del self._arrivals[request.request_id]
+        """Take ``request`` out (admitted or aborted); a heap entry of it goes stale."""
+        if self._preempted.pop(request.request_id, None) is None:
+            del self._arrivals[request.request_id]
 
     def peek(self, step: int) -> Request | None:
         """The request to admit next at scheduler step ``step`` (None if empty)."""
+        oldest = None
+        if self._arrivals:
+            queued_at, request = next(iter(self._arrivals.values()))
+            if self.order == "fcfs" or step - queued_at >= self.max_wait_steps:
+                oldest = (queued_at, request)
+        if self._preempted:
+            queued_at, _, request = min(self._preempted.values(), key=_order)
+            if oldest is None or queued_at <= oldest[0]:
+                return request
+        if oldest is not None:
+            return oldest[1]
         if not self._arrivals:
             return None
-        queued_at, oldest = next(iter(self._arrivals.values()))
-        if self.order == "fcfs" or step - queued_at >= self.max_wait_steps:
-            return oldest
         while True:
             _, _, request = self._by_length[0]
             entry = self._arrivals.get(request.request_id)
@@ -87,6 +104,7 @@ class WaitingQueue:
                 return request
             heapq.heappop(self._by_length)  # stale: removed since it was pushed
 
-    def _push_length(self, request: Request, prefill_tokens: int) -> None:
-        if self.order == "shortest":
-            heapq.heappush(self._by_length, (prefill_tokens, next(self._seq), request))
+
+def _order(entry: tuple[int, int, Request]) -> tuple[int, int]:
+    """Preempted requests: by the step they first queued at, then by when they came back."""
+    return entry[0], entry[1]
