@@ -59,14 +59,14 @@ class StepAttention:
         self._masks: list[torch.Tensor | None] = []
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if not self.prefills:  # a decode-only step: the kernel's output is the whole answer
+            return decode_attention(q, k, v, self.decode_caches, self.decode_positions, layer,
+                                    self.scale, self.tiled)
         if self._use_kernel is None:
             self._use_kernel = prefill_kernel_applies(q)
             if not self._use_kernel:
                 self._masks = [continuation_mask(s.start, s.num_tokens, q.dtype, s.cache.device)
                                for s in self.prefills]
-        if not self.prefills:  # a decode-only step: the kernel's output is the whole answer
-            return decode_attention(q, k, v, self.decode_caches, self.decode_positions, layer,
-                                    self.scale, self.tiled)
         out = torch.empty_like(q)
         offset = 0
         for i, seg in enumerate(self.prefills):

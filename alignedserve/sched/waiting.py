@@ -49,7 +49,8 @@ class WaitingQueue:
         self.order = order
         self.max_wait_steps = max_wait_steps
         self._arrivals: OrderedDict[str, tuple[int, Request]] = OrderedDict()
-        self._preempted: dict[str, tuple[int, int, Request]] = {}  # id -> (queued, seq, req)
+        # id -> (step first queued, seq, request): tuples order by when queued, then came back
+        self._preempted: dict[str, tuple[int, int, Request]] = {}
         self._by_length: list[tuple[int, int, Request]] = []
         self._seq = itertools.count()
 
@@ -61,7 +62,7 @@ class WaitingQueue:
 
     def __iter__(self) -> Iterator[Request]:
         """Waiting requests: the preempted ones (oldest first), then the rest in arrival order."""
-        yield from (entry[2] for entry in sorted(self._preempted.values(), key=_order))
+        yield from (entry[2] for entry in sorted(self._preempted.values()))
         yield from (request for _, request in self._arrivals.values())
 
     def push(self, request: Request, step: int, prefill_tokens: int) -> None:
@@ -90,7 +91,7 @@ class WaitingQueue:
             if self.order == "fcfs" or step - queued_at >= self.max_wait_steps:
                 oldest = (queued_at, request)
         if self._preempted:
-            queued_at, _, request = min(self._preempted.values(), key=_order)
+            queued_at, _, request = min(self._preempted.values())  # seq is unique: no tie
             if oldest is None or queued_at <= oldest[0]:
                 return request
         if oldest is not None:
@@ -104,7 +105,3 @@ class WaitingQueue:
                 return request
             heapq.heappop(self._by_length)  # stale: removed since it was pushed
 
-
-def _order(entry: tuple[int, int, Request]) -> tuple[int, int]:
-    """Preempted requests: by the step they first queued at, then by when they came back."""
-    return entry[0], entry[1]
