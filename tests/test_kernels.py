@@ -201,9 +201,12 @@ def test_bad_inputs_raise_value_error(ext: ModuleType, monkeypatch: pytest.Monke
         monkeypatch.setenv("ALIGNEDSERVE_NO_KERNELS", "1")
     case = make_case(torch.float32, (4, 9), heads=2, kv_heads=1, dim=64)
     past_end = torch.tensor([4, 9])  # row 1's capacity is 9
+    caches = case.fresh_caches()
     with pytest.raises(ValueError, match="capacity"):
-        decode_attention(case.q, case.k_new, case.v_new, case.fresh_caches(), past_end, LAYER,
-                         case.scale)
+        decode_attention(case.q, case.k_new, case.v_new, caches, past_end, LAYER, case.scale)
+    # Rejected before any write: row 0 (valid) did not get its new token either.
+    assert all(torch.equal(c.nan_to_num(7.0), f.nan_to_num(7.0))  # unwritten slots hold NaN
+               for c, f in zip(caches, case.fresh_caches()))
     with pytest.raises(ValueError, match="one cache"):
         decode_attention(case.q, case.k_new, case.v_new, case.caches[:1], case.positions, LAYER,
                          case.scale)

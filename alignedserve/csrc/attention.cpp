@@ -24,7 +24,8 @@
 // pass 3 accumulates P.V. Passes 1 and 3 each stream the span's rows once, widening every row
 // into registers and using it for all heads; apart from the scores nothing is written per
 // token. Scores live in the log2 domain (q is pre-scaled by scale*log2(e)), so pass 2 needs
-// only 2^x. All cache writes (the new tokens) happen before any of this starts.
+// only 2^x. Each row's new token is written (append_token) by the item whose span ends at it,
+// just before that item reads the span.
 //
 // Arithmetic is fp32 FMA throughout; bf16 and fp8 e5m2 are widened exactly (shift / mask, or
 // byte shift + fp16 convert). AVX512-BF16 dot products were tried and dropped: on the Sapphire
@@ -266,7 +267,8 @@ inline Vec fold(Vec a, Vec b) {
 // ----------------------------------------------------------------------------------------------
 
 // Everything the workers read. Immutable during the parallel region except through the
-// disjoint per-item outputs (out rows, partial slots); caches are only read there.
+// disjoint per-item outputs (out rows, partial slots) and each (row, kv head)'s new token,
+// which only the item ending at it writes (append_token) and reads.
 struct Problem {
   int64_t heads, kv_heads, group, dim;
   float qscale;                  // scale * log2(e): scores come out in the log2 domain
@@ -276,6 +278,10 @@ struct Problem {
   std::vector<char*> v_base;     // per row: &cache[layer, 1, 0, 0, 0]
   std::vector<int64_t> hstride;  // per row: elements between kv heads
   const int64_t* pos;            // [B]
+  const char* k_new;             // [B, kv_heads, dim], cache dtype: written by append_token
+  const char* v_new;
+  int64_t elem;                  // cache element size in bytes
+  bool tiled;                    // caches in the AMX tile layout
   float* out;                    // [B, heads, dim], fp32, normalised
   float* part_acc;               // [slots, group, dim], unnormalised P.V of one span
   float* part_ml;                // [slots, 2, group]: max score (log2) and sum of 2^(s - max)
@@ -578,6 +584,41 @@ inline std::pair<const E*, const E*> item_rows(const Problem& P, const Item& it)
           reinterpret_cast<const E*>(P.v_base[it.row]) + off};
 }
 
+// Tiled bf16 caches (kv_layout.py): token t's K goes into column t % 16 of its 16-token block
+// ([dim/2][16][2]), its V into slot t % 2 of its token pair ([dim][2]). `plane` is the kv head's
+// [capacity, dim] plane.
+inline void put_key_tiled(uint16_t* plane, int64_t t, const uint16_t* k, int64_t dim) {
+  uint16_t* block = plane + t / 16 * 16 * dim + t % 16 * 2;
+  for (int64_t pair = 0; pair < dim / 2; ++pair) std::memcpy(block + pair * 32, k + 2 * pair, 4);
+}
+
+inline void put_value_tiled(uint16_t* plane, int64_t t, const uint16_t* v, int64_t dim) {
+  uint16_t* pair = plane + t / 2 * 2 * dim + t % 2;
+  for (int64_t d = 0; d < dim; ++d) pair[2 * d] = v[d];
+}
+
+// Writes row `row`'s new K/V for kv head `g` at position pos[row]: k_new[row, g] / v_new[row, g]
+// ([B, kv_heads, dim], cache dtype). Called by the one item whose span ends at pos[row] (no
+// other span reads that position), just before it reads: so the writes run on all threads,
+// and the lines they fetch are the ones that item's passes read next.
+inline void append_token(const Problem& P, int64_t row, int64_t g) {
+  const int64_t head = g * P.hstride[row], src = (row * P.kv_heads + g) * P.dim;
+  if (P.tiled) {
+    const auto* k = reinterpret_cast<const uint16_t*>(P.k_new) + src;
+    const auto* v = reinterpret_cast<const uint16_t*>(P.v_new) + src;
+    put_key_tiled(reinterpret_cast<uint16_t*>(P.k_base[row]) + head, P.pos[row], k, P.dim);
+    put_value_tiled(reinterpret_cast<uint16_t*>(P.v_base[row]) + head, P.pos[row], v, P.dim);
+    return;
+  }
+  const int64_t bytes = P.dim * P.elem, dst = (head + P.pos[row] * P.dim) * P.elem;
+  std::memcpy(P.k_base[row] + dst, P.k_new + src * P.elem, bytes);
+  std::memcpy(P.v_base[row] + dst, P.v_new + src * P.elem, bytes);
+}
+
+inline void append_if_last(const Problem& P, const Item& it) {
+  if (it.end == P.pos[it.row] + 1) append_token(P, it.row, it.kv_head);
+}
+
 // Stores one finished span: normalised output, or the raw state for the later merge.
 inline void finish_item(const Problem& P, const Item& it, const float* acc, const float* mx,
                         const float* sum) {
@@ -602,6 +643,7 @@ template <typename E, int NC, bool Pairs>
 void run_item(const Problem& P, const Item& it, Scratch& s, Prefetcher& pf) {
   const RowShape<NC> rs{static_cast<int>(P.dim / kLanes)};
   const int64_t dim = rs.dim(), group = P.group;
+  append_if_last(P, it);
   const auto [k, v] = item_rows<E>(P, it);
   const float* qsrc = P.q + (it.row * P.heads + it.kv_head * group) * dim;
   to_block_layout<Pairs>(qsrc, group, dim, P.qscale, s.q.data(), false);
@@ -838,8 +880,10 @@ void tiled_softmax(int64_t group, int64_t n, int64_t padded, float qscale, Tiled
   }
 }
 
-// Pass 3: s.acc[h][d] = sum_t p[h][t] v[t][d] over the span, 32 tokens per round.
-void tiled_values(const uint16_t* v, int64_t n, int64_t padded, TiledScratch& s) {
+// Pass 3: s.acc[h][d] = sum_t p[h][t] v[t][d] over the span, 32 tokens per round; `pf` asks
+// for a slice of the thread's next item per round.
+void tiled_values(const uint16_t* v, int64_t n, int64_t padded, TiledScratch& s,
+                  Prefetcher& pf) {
   _tile_zero(4);
   _tile_zero(5);
   _tile_zero(6);
@@ -856,6 +900,7 @@ void tiled_values(const uint16_t* v, int64_t n, int64_t padded, TiledScratch& s)
       }
       vb = s.vtail;
     }
+    pf.step();
     _tile_loadd(0, s.probs + t0, padded * 2);
     _tile_loadd(2, vb, 4 * kTiledDim);
     _tile_dpbf16ps(4, 0, 2);
@@ -872,32 +917,46 @@ void tiled_values(const uint16_t* v, int64_t n, int64_t padded, TiledScratch& s)
   _tile_stored(7, s.acc + 48, kTiledDim * 4);
 }
 
-void run_item_tiled(const Problem& P, const Item& it, TiledScratch& s, Prefetcher& pf) {
+// One item: the score pass asks for the item's own V (`scores_pf`), the value pass for the
+// thread's next item's K (`values_pf`), so a pass rarely starts on a cold stream.
+void run_item_tiled(const Problem& P, const Item& it, TiledScratch& s, Prefetcher& scores_pf,
+                    Prefetcher& values_pf) {
   const int64_t n = it.end - it.begin;
   const int64_t padded = (n + kPairBlock - 1) / kPairBlock * kPairBlock;
+  append_if_last(P, it);
   // Spans start at multiples of 16 (choose_span), so the token-major offset of the first token
   // is also where its K block and its V pair start.
   const auto [k, v] = item_rows<uint16_t>(P, it);
   const uint16_t* q = P.q_bf16 + (it.row * P.heads + it.kv_head * P.group) * kTiledDim;
-  tiled_scores(q, k, n, padded, s, pf);
+  tiled_scores(q, k, n, padded, s, scores_pf);
   tiled_softmax(P.group, n, padded, P.qscale, s);
-  tiled_values(v, n, padded, s);
+  tiled_values(v, n, padded, s, values_pf);
   finish_item(P, it, s.acc, s.mx, s.sum);
 }
 
+// Prefetch, measured on huge-page caches (30 layers x 64 rows, 2 threads, alternating runs):
+// the item's own V during its score rounds (as for token-major bf16: varied 70.9 vs 73.4 ms
+// on 4 KiB pages); the next item's whole K during the value rounds: 641-token rows 43.5 vs
+// 46.1 ms, varied 65-69 vs 69-71 ms. (On 4 KiB pages, asking for the next K, or for the next
+// round's lines into L1, had measured no gain.)
 void run_items_tiled(const Problem& P, const Plan& plan) {
   std::atomic<int64_t> next{0};
   const auto n_items = static_cast<int64_t>(plan.items.size());
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     configure_tiled_tiles(P.group);
     TiledScratch scratch(P.group, plan.max_span);
-    for (int64_t i = next.fetch_add(1); i < n_items; i = next.fetch_add(1)) {
-      // The item's own V into L2 during its score rounds (prefetch_for without a next item),
-      // as for token-major bf16: 30 layers x 64 varied rows 70.9 vs 73.4 ms, uniform 641-token
-      // rows 47.2 vs 48.3 ms. Also asking for the next item's K (whole or its first 64-256
-      // tokens), or for the next round's lines into L1, gained nothing.
-      Prefetcher pf = prefetch_for<uint16_t>(P, plan.items[i], nullptr);
-      run_item_tiled(P, plan.items[i], scratch, pf);
+    for (int64_t i = next.fetch_add(1); i < n_items;) {
+      const Item& it = plan.items[i];
+      const int64_t following = next.fetch_add(1);
+      Prefetcher scores_pf = prefetch_for<uint16_t>(P, it, nullptr);
+      Prefetcher values_pf;
+      if (following < n_items) {  // never longer than `it`: items are sorted longest first
+        const Item& nx = plan.items[following];
+        values_pf.add(item_rows<uint16_t>(P, nx).first, (nx.end - nx.begin) * kTiledDim * 2,
+                      (it.end - it.begin + kPairBlock - 1) / kPairBlock);
+      }
+      run_item_tiled(P, it, scratch, scores_pf, values_pf);
+      i = following;
     }
     _tile_release();
   });
@@ -946,47 +1005,6 @@ inline void merge_split(const Problem& P, const Split& sp) {
 // ----------------------------------------------------------------------------------------------
 // Entry point
 // ----------------------------------------------------------------------------------------------
-
-// Copies k_new[b, g] / v_new[b, g] ([B, kv_heads, dim], cache dtype) to position pos[b] of
-// kv head g of row b's cache.
-void append_new_tokens(const Problem& P, int64_t rows, const char* k_new, const char* v_new,
-                       int64_t elem) {
-  const int64_t row_bytes = P.dim * elem;
-  for (int64_t b = 0; b < rows; ++b) {
-    for (int64_t g = 0; g < P.kv_heads; ++g) {
-      const int64_t dst = (g * P.hstride[b] + P.pos[b] * P.dim) * elem;
-      const int64_t src = (b * P.kv_heads + g) * row_bytes;
-      std::memcpy(P.k_base[b] + dst, k_new + src, row_bytes);
-      std::memcpy(P.v_base[b] + dst, v_new + src, row_bytes);
-    }
-  }
-}
-
-// Tiled bf16 caches (kv_layout.py): token t's K goes into column t % 16 of its 16-token block
-// ([dim/2][16][2]), its V into slot t % 2 of its token pair ([dim][2]). `plane` is the kv head's
-// [capacity, dim] plane.
-inline void put_key_tiled(uint16_t* plane, int64_t t, const uint16_t* k, int64_t dim) {
-  uint16_t* block = plane + t / 16 * 16 * dim + t % 16 * 2;
-  for (int64_t pair = 0; pair < dim / 2; ++pair) std::memcpy(block + pair * 32, k + 2 * pair, 4);
-}
-
-inline void put_value_tiled(uint16_t* plane, int64_t t, const uint16_t* v, int64_t dim) {
-  uint16_t* pair = plane + t / 2 * 2 * dim + t % 2;
-  for (int64_t d = 0; d < dim; ++d) pair[2 * d] = v[d];
-}
-
-// append_new_tokens for tiled caches.
-void append_new_tokens_tiled(const Problem& P, int64_t rows, const uint16_t* k_new,
-                             const uint16_t* v_new) {
-  for (int64_t b = 0; b < rows; ++b) {
-    for (int64_t g = 0; g < P.kv_heads; ++g) {
-      const int64_t head = g * P.hstride[b], src = (b * P.kv_heads + g) * P.dim;
-      put_key_tiled(reinterpret_cast<uint16_t*>(P.k_base[b]) + head, P.pos[b], k_new + src, P.dim);
-      put_value_tiled(reinterpret_cast<uint16_t*>(P.v_base[b]) + head, P.pos[b], v_new + src,
-                      P.dim);
-    }
-  }
-}
 
 // Prefill's writer for tiled caches: k, v [T, kv_heads, dim] (bf16) into positions
 // [start, start + T) of layer `layer` of `cache`.
@@ -1095,6 +1113,12 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_new,
   P.q = tiled ? nullptr : qf.data_ptr<float>();
   P.q_bf16 = tiled ? reinterpret_cast<const uint16_t*>(qf.data_ptr()) : nullptr;
   P.pos = pos.data_ptr<int64_t>();
+  // The new tokens are written inside the parallel region (append_token), after every check
+  // here has passed: an error leaves the caches untouched.
+  P.k_new = static_cast<const char*>(kn.data_ptr());
+  P.v_new = static_cast<const char*>(vn.data_ptr());
+  P.elem = elem;
+  P.tiled = tiled;
   for (int64_t b = 0; b < rows; ++b) {
     const at::Tensor& c = caches[b];
     check_cache(c, dtype, kv_heads, dim, layer, P.pos[b]);
@@ -1105,17 +1129,6 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_new,
     P.v_base.push_back(base + c.stride(1) * elem);
     P.hstride.push_back(c.stride(2));
   }
-  // All rows are valid, so now (and not earlier: an error must leave the caches untouched)
-  // append the new tokens. Doing it before any attention work means every span sees them,
-  // whichever thread reads the row.
-  if (tiled) {
-    append_new_tokens_tiled(P, rows, reinterpret_cast<const uint16_t*>(kn.data_ptr()),
-                            reinterpret_cast<const uint16_t*>(vn.data_ptr()));
-  } else {
-    append_new_tokens(P, rows, static_cast<const char*>(kn.data_ptr()),
-                      static_cast<const char*>(vn.data_ptr()), elem);
-  }
-
   const int threads = at::get_num_threads();
   const Plan plan = plan_items(P.pos, rows, kv_heads, choose_span(P.pos, rows, kv_heads, threads));
   const auto f32 = qf.options().dtype(at::kFloat);
