@@ -7,7 +7,8 @@
 # NAME-flat (aligned-flat, fcfs-flat) ours with token-major bf16 caches (--no-tiled-kv), and
 # aligned-arrival the aligned policy admitting in arrival order (--admission fcfs), and
 # NAME-4k ours with KV caches and weights on 4 KiB pages (ALIGNEDSERVE_HUGE_PAGES=0).
-# Workloads: varied, uniform (synthetic), conv, code (Azure 2023 traces from TRACE_DIR).
+# Workloads: varied, uniform (synthetic), conv, code (Azure 2023 traces from TRACE_DIR);
+# conv@S / code@S replay a trace at time scale S (a load sweep: conv@60 conv@120 ...).
 set -uo pipefail
 OUT=${1:?output dir}; shift
 WORKLOADS=("$@"); [ ${#WORKLOADS[@]} -eq 0 ] && WORKLOADS=(varied uniform)
@@ -28,6 +29,7 @@ bench_args() {  # workload name -> bench arguments
     uniform) echo "--workload synthetic:fixed:in=512,out=256 --num-requests $N --concurrency $N" ;;
     conv) echo "--workload azure-conv $TRACE_ARGS --time-scale ${TIME_SCALE_CONV:-90}" ;;
     code) echo "--workload azure-code $TRACE_ARGS --time-scale ${TIME_SCALE_CODE:-120}" ;;
+    conv@*|code@*) echo "--workload azure-${1%@*} $TRACE_ARGS --time-scale ${1#*@}" ;;
     *) echo "--workload $1 --num-requests $N --concurrency $N" ;;
   esac
 }
