@@ -1,7 +1,8 @@
 // Shared Intel AMX set-up for the kernels that use tiles (attention.cpp's tiled decode path,
-// prefill_attention.cpp, small_gemm.cpp). Include it unconditionally: it defines
-// ALIGNEDSERVE_AMX where the compiler targets AMX-BF16 (-march=native on Sapphire Rapids and
-// later), the tile helpers only there, and amx::available() everywhere.
+// prefill_attention.cpp, small_gemm.cpp), and the two attention paths' softmax exponential.
+// Include it unconditionally: it defines ALIGNEDSERVE_AMX where the compiler targets AMX-BF16
+// (-march=native on Sapphire Rapids and later), the tile helpers only there, and
+// amx::available() everywhere.
 #pragma once
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && \
@@ -45,6 +46,28 @@ inline void configure_tiles() {
   asm volatile("" ::: "memory");
   _tile_loadconfig(&cfg);
 }
+
+// Softmax numerators for the attention kernels' tile paths (decode in attention.cpp, prefill in
+// prefill_attention.cpp), whose probabilities are rounded to bf16 for the P.V tile product.
+//
+// 2^x for x <= 0 (scores minus their max): 2^floor(x) * q(x - floor(x)), with q a degree-4
+// polynomial fitted to 2^f on [0, 1) for relative error (2.9e-6, far below the bf16 rounding
+// of P, 2^-9; q(0) = 1 exactly). vreduceps gives x - floor(x) and vscalefps applies 2^floor(x)
+// in one instruction each. Finite x only (-inf gives NaN): masked scores are kMaskedScore.
+inline __m512 exp2_nonpos(__m512 x) {
+  const __m512 f = _mm512_reduce_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 q = _mm512_set1_ps(0.013426604680716991f);
+  q = _mm512_fmadd_ps(q, f, _mm512_set1_ps(0.05224260315299034f));
+  q = _mm512_fmadd_ps(q, f, _mm512_set1_ps(0.24128015339374542f));
+  q = _mm512_fmadd_ps(q, f, _mm512_set1_ps(0.6930448412895203f));
+  q = _mm512_fmadd_ps(q, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(q, x);
+}
+
+// Raw score given to keys a query must not see (its future, or past a row's end): finite
+// (exp2_nonpos needs finite input) yet far below any real score, so it never wins the max and
+// its probability is exactly 0.
+constexpr float kMaskedScore = -1e30f;
 
 #endif  // ALIGNEDSERVE_AMX
 

@@ -837,7 +837,7 @@ void tiled_scores(const uint16_t* q, const uint16_t* k, int64_t n, int64_t padde
   }
   // A partial last block is read in place: the tokens past the span (inside the capacity, which
   // is whole blocks) may hold anything, even NaN bits, but a score column depends only on its
-  // own token and tiled_softmax masks those columns to -inf.
+  // own token and tiled_softmax masks those columns (amx::kMaskedScore).
   for (; b * kKeyBlock < n; ++b) {
     const uint16_t* kb = k + b * kKeyBlock * kTiledDim;
     _tile_zero(4);
@@ -850,28 +850,31 @@ void tiled_scores(const uint16_t* q, const uint16_t* k, int64_t n, int64_t padde
 }
 
 // Pass 2: per head, softmax numerators 2^(scale * s - max) as bf16 into s.probs (0 past n);
-// the max (log2 domain) and the fp32 sum go to s.mx / s.sum. Needs qscale > 0.
+// the max (log2 domain) and the fp32 sum go to s.mx / s.sum. Needs qscale > 0. The
+// exponential is the prefill kernel's (amx::exp2_nonpos, relative error 2.9e-6 before P's
+// bf16 rounding): 30 layers x 64 rows of 641 tokens 38.9 vs 40.5 ms with the exact one.
 void tiled_softmax(int64_t group, int64_t n, int64_t padded, float qscale, TiledScratch& s) {
-  const __m512 neg_inf = _mm512_set1_ps(kNegInf), scale = _mm512_set1_ps(qscale);
+  const __m512 masked = _mm512_set1_ps(amx::kMaskedScore), scale = _mm512_set1_ps(qscale);
   for (int64_t h = 0; h < group; ++h) {
     float* row = s.scores + h * padded;
     const int64_t tail = n / kLanes * kLanes;
     if (tail < n) {
       const auto valid = static_cast<__mmask16>((1u << (n - tail)) - 1);
-      _mm512_store_ps(row + tail, _mm512_mask_blend_ps(valid, neg_inf, _mm512_load_ps(row + tail)));
+      _mm512_store_ps(row + tail, _mm512_mask_blend_ps(valid, masked, _mm512_load_ps(row + tail)));
     }
     for (int64_t t = (n + kLanes - 1) / kLanes * kLanes; t < padded; t += kLanes) {
-      _mm512_store_ps(row + t, neg_inf);
+      _mm512_store_ps(row + t, masked);
     }
-    __m512 m = neg_inf;
+    __m512 m = masked;
     for (int64_t t = 0; t < padded; t += kLanes) m = _mm512_max_ps(m, _mm512_load_ps(row + t));
     const float mx = _mm512_reduce_max_ps(m) * qscale;
     const __m512 mv = _mm512_set1_ps(mx);
     __m512 sum = _mm512_setzero_ps();
     uint16_t* p = s.probs + h * padded;
     for (int64_t t = 0; t < padded; t += 2 * kLanes) {
-      const __m512 lo = vexp2({_mm512_fmsub_ps(_mm512_load_ps(row + t), scale, mv)}).r;
-      const __m512 hi = vexp2({_mm512_fmsub_ps(_mm512_load_ps(row + t + kLanes), scale, mv)}).r;
+      const __m512 lo = amx::exp2_nonpos(_mm512_fmsub_ps(_mm512_load_ps(row + t), scale, mv));
+      const __m512 hi =
+          amx::exp2_nonpos(_mm512_fmsub_ps(_mm512_load_ps(row + t + kLanes), scale, mv));
       sum = _mm512_add_ps(sum, _mm512_add_ps(lo, hi));
       _mm512_store_si512(p + t, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
     }

@@ -56,24 +56,6 @@ constexpr float kLog2e = 1.4426950408889634f;
 // Tiles: amx::configure_tiles (eight of 16 rows x 64 bytes); block_scores and block_values say
 // how they are used.
 
-// 2^x for x <= 0 (scores minus their running max): 2^floor(x) * q(x - floor(x)), with q a
-// degree-4 polynomial fitted to 2^f on [0, 1) for relative error (2.9e-6, far below the bf16
-// rounding of P, 2^-9; q(0) = 1 exactly). vreduceps gives x - floor(x) and vscalefps applies
-// 2^floor(x) in one instruction each. Finite x only (-inf gives NaN): masked scores are kMasked.
-inline __m512 exp2_nonpos(__m512 x) {
-  const __m512 f = _mm512_reduce_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  __m512 q = _mm512_set1_ps(0.013426604680716991f);
-  q = _mm512_fmadd_ps(q, f, _mm512_set1_ps(0.05224260315299034f));
-  q = _mm512_fmadd_ps(q, f, _mm512_set1_ps(0.24128015339374542f));
-  q = _mm512_fmadd_ps(q, f, _mm512_set1_ps(0.6930448412895203f));
-  q = _mm512_fmadd_ps(q, f, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(q, x);
-}
-
-// Raw score given to keys in a query's future: finite (exp2_nonpos needs finite input) yet far
-// below any real score, so it never wins the max and its probability is exactly 0.
-constexpr float kMasked = -1e30f;
-
 // Lanes of cvtne2ps_pbh(b, a) (a0..a15, b0..b15) reordered to pairs (a0, b0, a1, b1, ...).
 inline __m512i pair_interleave() {
   return _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
@@ -161,7 +143,7 @@ inline bool softmax_block(float* s, float* m, float* l, uint16_t* p, __m512& cor
     __m512 x = _mm512_load_ps(s + t * 16);
     if (kMask) {  // key t0 + t is in the future of lanes whose position is smaller
       const __mmask16 future = _mm512_cmplt_epi32_mask(qpos, _mm512_set1_epi32(t0 + t));
-      x = _mm512_mask_mov_ps(x, future, _mm512_set1_ps(kMasked));
+      x = _mm512_mask_mov_ps(x, future, _mm512_set1_ps(amx::kMaskedScore));
       _mm512_store_ps(s + t * 16, x);
     }
     mx[t % 4] = t < 4 ? x : _mm512_max_ps(mx[t % 4], x);
@@ -176,9 +158,10 @@ inline bool softmax_block(float* s, float* m, float* l, uint16_t* p, __m512& cor
   __m512 sum[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
 #pragma GCC unroll 16
   for (int r = 0; r < kT / 2; ++r) {
-    const __m512 p0 = exp2_nonpos(_mm512_fmsub_ps(_mm512_load_ps(s + 2 * r * 16), scale, new_max));
+    const __m512 p0 =
+        amx::exp2_nonpos(_mm512_fmsub_ps(_mm512_load_ps(s + 2 * r * 16), scale, new_max));
     const __m512 p1 =
-        exp2_nonpos(_mm512_fmsub_ps(_mm512_load_ps(s + (2 * r + 1) * 16), scale, new_max));
+        amx::exp2_nonpos(_mm512_fmsub_ps(_mm512_load_ps(s + (2 * r + 1) * 16), scale, new_max));
     sum[r % 2] = _mm512_add_ps(sum[r % 2], _mm512_add_ps(p0, p1));
     const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(p1, p0);
     _mm512_store_si512(p + r * 32, _mm512_permutexvar_epi16(pair_interleave(), both));
@@ -186,7 +169,8 @@ inline bool softmax_block(float* s, float* m, float* l, uint16_t* p, __m512& cor
   __m512 l_old = _mm512_load_ps(l);
   if (moved) {
     // old max is -inf before the first block: clamp so that 2^(-inf) is computed as 2^-150 = 0
-    corr = exp2_nonpos(_mm512_max_ps(_mm512_sub_ps(old_max, new_max), _mm512_set1_ps(-150.0f)));
+    corr = amx::exp2_nonpos(
+        _mm512_max_ps(_mm512_sub_ps(old_max, new_max), _mm512_set1_ps(-150.0f)));
     l_old = _mm512_mul_ps(l_old, corr);
     _mm512_store_ps(m, new_max);
   }
