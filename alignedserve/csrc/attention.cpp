@@ -24,7 +24,7 @@
 // pass 3 accumulates P.V. Passes 1 and 3 each stream the span's rows once, widening every row
 // into registers and using it for all heads; apart from the scores nothing is written per
 // token. Scores live in the log2 domain (q is pre-scaled by scale*log2(e)), so pass 2 needs
-// only 2^x. Each row's new token is written (append_token) by the item whose span ends at it,
+// only 2^x. Each row's new token is written (append_if_last) by the item whose span ends at it,
 // just before that item reads the span.
 //
 // Arithmetic is fp32 FMA throughout; bf16 and fp8 e5m2 are widened exactly (shift / mask, or
@@ -268,7 +268,7 @@ inline Vec fold(Vec a, Vec b) {
 
 // Everything the workers read. Immutable during the parallel region except through the
 // disjoint per-item outputs (out rows, partial slots) and each (row, kv head)'s new token,
-// which only the item ending at it writes (append_token) and reads.
+// which only the item ending at it writes (append_if_last) and reads.
 struct Problem {
   int64_t heads, kv_heads, group, dim;
   float qscale;                  // scale * log2(e): scores come out in the log2 domain
@@ -278,10 +278,9 @@ struct Problem {
   std::vector<char*> v_base;     // per row: &cache[layer, 1, 0, 0, 0]
   std::vector<int64_t> hstride;  // per row: elements between kv heads
   const int64_t* pos;            // [B]
-  const char* k_new;             // [B, kv_heads, dim], cache dtype: written by append_token
+  const char* k_new;             // [B, kv_heads, dim], cache dtype: written by append_if_last
   const char* v_new;
   int64_t elem;                  // cache element size in bytes
-  bool tiled;                    // caches in the AMX tile layout
   float* out;                    // [B, heads, dim], fp32, normalised
   float* part_acc;               // [slots, group, dim], unnormalised P.V of one span
   float* part_ml;                // [slots, 2, group]: max score (log2) and sum of 2^(s - max)
@@ -598,25 +597,24 @@ inline void put_value_tiled(uint16_t* plane, int64_t t, const uint16_t* v, int64
 }
 
 // Writes row `row`'s new K/V for kv head `g` at position pos[row]: k_new[row, g] / v_new[row, g]
-// ([B, kv_heads, dim], cache dtype). Called by the one item whose span ends at pos[row] (no
-// other span reads that position), just before it reads: so the writes run on all threads,
-// and the lines they fetch are the ones that item's passes read next.
-inline void append_token(const Problem& P, int64_t row, int64_t g) {
-  const int64_t head = g * P.hstride[row], src = (row * P.kv_heads + g) * P.dim;
-  if (P.tiled) {
+// ([B, kv_heads, dim], cache dtype), in the tile layout when kTiled. Called by the one item
+// whose span ends at pos[row] (no other span reads that position), just before it reads: so
+// the writes run on all threads, and the lines they fetch are the ones that item reads next.
+template <bool kTiled>
+inline void append_if_last(const Problem& P, const Item& it) {
+  const int64_t row = it.row;
+  if (it.end != P.pos[row] + 1) return;
+  const int64_t head = it.kv_head * P.hstride[row], src = (row * P.kv_heads + it.kv_head) * P.dim;
+  if constexpr (kTiled) {
     const auto* k = reinterpret_cast<const uint16_t*>(P.k_new) + src;
     const auto* v = reinterpret_cast<const uint16_t*>(P.v_new) + src;
     put_key_tiled(reinterpret_cast<uint16_t*>(P.k_base[row]) + head, P.pos[row], k, P.dim);
     put_value_tiled(reinterpret_cast<uint16_t*>(P.v_base[row]) + head, P.pos[row], v, P.dim);
-    return;
+  } else {
+    const int64_t bytes = P.dim * P.elem, dst = (head + P.pos[row] * P.dim) * P.elem;
+    std::memcpy(P.k_base[row] + dst, P.k_new + src * P.elem, bytes);
+    std::memcpy(P.v_base[row] + dst, P.v_new + src * P.elem, bytes);
   }
-  const int64_t bytes = P.dim * P.elem, dst = (head + P.pos[row] * P.dim) * P.elem;
-  std::memcpy(P.k_base[row] + dst, P.k_new + src * P.elem, bytes);
-  std::memcpy(P.v_base[row] + dst, P.v_new + src * P.elem, bytes);
-}
-
-inline void append_if_last(const Problem& P, const Item& it) {
-  if (it.end == P.pos[it.row] + 1) append_token(P, it.row, it.kv_head);
 }
 
 // Stores one finished span: normalised output, or the raw state for the later merge.
@@ -643,7 +641,7 @@ template <typename E, int NC, bool Pairs>
 void run_item(const Problem& P, const Item& it, Scratch& s, Prefetcher& pf) {
   const RowShape<NC> rs{static_cast<int>(P.dim / kLanes)};
   const int64_t dim = rs.dim(), group = P.group;
-  append_if_last(P, it);
+  append_if_last<false>(P, it);
   const auto [k, v] = item_rows<E>(P, it);
   const float* qsrc = P.q + (it.row * P.heads + it.kv_head * group) * dim;
   to_block_layout<Pairs>(qsrc, group, dim, P.qscale, s.q.data(), false);
@@ -860,7 +858,8 @@ void tiled_softmax(int64_t group, int64_t n, int64_t padded, float qscale, Tiled
     const int64_t tail = n / kLanes * kLanes;
     if (tail < n) {
       const auto valid = static_cast<__mmask16>((1u << (n - tail)) - 1);
-      _mm512_store_ps(row + tail, _mm512_mask_blend_ps(valid, masked, _mm512_load_ps(row + tail)));
+      const __m512 scores = _mm512_load_ps(row + tail);
+      _mm512_store_ps(row + tail, _mm512_mask_blend_ps(valid, masked, scores));
     }
     for (int64_t t = (n + kLanes - 1) / kLanes * kLanes; t < padded; t += kLanes) {
       _mm512_store_ps(row + t, masked);
@@ -926,7 +925,7 @@ void run_item_tiled(const Problem& P, const Item& it, TiledScratch& s, Prefetche
                     Prefetcher& values_pf) {
   const int64_t n = it.end - it.begin;
   const int64_t padded = (n + kPairBlock - 1) / kPairBlock * kPairBlock;
-  append_if_last(P, it);
+  append_if_last<true>(P, it);
   // Spans start at multiples of 16 (choose_span), so the token-major offset of the first token
   // is also where its K block and its V pair start.
   const auto [k, v] = item_rows<uint16_t>(P, it);
@@ -1116,12 +1115,11 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_new,
   P.q = tiled ? nullptr : qf.data_ptr<float>();
   P.q_bf16 = tiled ? reinterpret_cast<const uint16_t*>(qf.data_ptr()) : nullptr;
   P.pos = pos.data_ptr<int64_t>();
-  // The new tokens are written inside the parallel region (append_token), after every check
+  // The new tokens are written inside the parallel region (append_if_last), after every check
   // here has passed: an error leaves the caches untouched.
   P.k_new = static_cast<const char*>(kn.data_ptr());
   P.v_new = static_cast<const char*>(vn.data_ptr());
   P.elem = elem;
-  P.tiled = tiled;
   for (int64_t b = 0; b < rows; ++b) {
     const at::Tensor& c = caches[b];
     check_cache(c, dtype, kv_heads, dim, layer, P.pos[b]);
