@@ -130,18 +130,19 @@ def _warn_once(message: str) -> None:
     log.warning(message)
 
 
-def _kernel_rejects(q: torch.Tensor, caches: list[torch.Tensor]) -> str | None:
-    """Why the compiled kernel cannot take these inputs (None: it can).
+def decode_kernel_rejects(head_dim: int, device_type: str,
+                          caches: list[torch.Tensor]) -> str | None:
+    """Why the compiled decode kernel cannot take a call with queries of ``head_dim`` on
+    ``device_type`` over ``caches`` (None: it can).
 
     O(1) on purpose (a Python pass over 64 caches costs ~50 us, 5% of the kernel): only
     properties that route a whole call elsewhere are screened. Row-level problems (a row of
     another dtype, device or layout, a position past capacity) raise ValueError in the kernel.
     """
-    dim = q.shape[-1]
-    if dim % 16 or not 0 < dim <= _MAX_HEAD_DIM:
-        return f"head_dim {dim} is not a multiple of 16 up to {_MAX_HEAD_DIM}"
-    if q.device.type != "cpu":
-        return f"inputs on {q.device.type}"
+    if head_dim % 16 or not 0 < head_dim <= _MAX_HEAD_DIM:
+        return f"head_dim {head_dim} is not a multiple of 16 up to {_MAX_HEAD_DIM}"
+    if device_type != "cpu":
+        return f"inputs on {device_type}"
     if caches and caches[0].dtype not in _KERNEL_DTYPES:
         return f"cache dtype {caches[0].dtype} (kernel takes {_KERNEL_DTYPES})"
     return None
@@ -159,7 +160,7 @@ def decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
     ``tiled_kv_applies``); the AMX kernel then rounds q and the probabilities to bf16.
     """
     if not kernels_disabled():
-        reason = _kernel_rejects(q, caches)
+        reason = decode_kernel_rejects(q.shape[-1], q.device.type, caches)
         module = load_kernels() if reason is None else None
         if module is not None:
             return module.decode_attention(q, k_new, v_new, caches, positions, layer, scale,
