@@ -165,6 +165,37 @@ def test_rows_of_a_cohort_slab(ext: ModuleType) -> None:
     assert_same_caches(k_caches, expected_caches(case))
 
 
+@pytest.mark.parametrize("dtype,tiled", [(torch.bfloat16, False), (torch.float32, False),
+                                         (FP8, False), (torch.bfloat16, True)])
+def test_row_views_of_a_fused_qkv(ext: ModuleType, dtype: torch.dtype, tiled: bool) -> None:
+    """q, k_new, v_new as row views of one [B, (H + 2 KVH) * D] projection (how the model
+    passes them; read in place) give bit-identical outputs and caches to contiguous copies,
+    including rows long enough to be split into spans."""
+    if tiled and not ext.tiled_kv_available():
+        pytest.skip("no AMX decode kernel for tiled caches here")
+    heads, kv_heads, dim = 9, 3, 64
+    lengths = (1, 17, 300, 2100)
+    case = make_case(torch.bfloat16 if tiled else dtype, lengths, heads, kv_heads, dim)
+    if tiled:  # a zeroed cache in the tile layout, room for every row's new token
+        case.caches = [torch.zeros(LAYERS, 2, kv_heads, (n + 15) // 16 * 16, dim,
+                                   dtype=torch.bfloat16) for n in lengths]
+    rows = len(lengths)
+    # (over an fp8 cache the projection is bf16; the kernel rounds the new K/V into the cache)
+    fused = torch.cat([case.q.reshape(rows, -1), case.k_new.to(case.q.dtype).reshape(rows, -1),
+                       case.v_new.to(case.q.dtype).reshape(rows, -1)], dim=1)
+    q, k, v = fused.split((heads * dim, kv_heads * dim, kv_heads * dim), dim=1)
+    views = (q.view(rows, heads, dim), k.view(rows, kv_heads, dim), v.view(rows, kv_heads, dim))
+    assert not views[0].is_contiguous()
+    outs = []
+    for args in (views, tuple(t.contiguous() for t in views)):
+        caches = case.fresh_caches()
+        out = ext.decode_attention(*args, caches, case.positions, LAYER, case.scale, tiled)
+        outs.append((out, caches))
+    assert outs[0][0].dtype == case.q.dtype
+    assert torch.equal(outs[0][0], outs[1][0])
+    assert_same_caches(outs[0][1], outs[1][1])
+
+
 def test_env_var_forces_reference(ext: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
     case = make_case(torch.bfloat16, LENGTHS, heads=6, kv_heads=2, dim=64)
     fast = decode_attention(case.q, case.k_new, case.v_new, case.fresh_caches(), case.positions,

@@ -6,6 +6,9 @@
 //              the last two dims densely packed (token stride == head_dim); dims 0..2 may be
 //              strided, so a row view of a larger cohort slab works too.
 //   q        : [B, heads, head_dim], any float dtype; k_new / v_new : [B, kv_heads, head_dim].
+//              Rows may be any distance apart when each row's heads are dense (views of a
+//              fused qkv projection are read in place); otherwise they are copied first.
+//   returns  : [B, heads, head_dim] in q's dtype (bf16 written directly, no fp32 pass).
 //   For every row b the new K/V land at cache[b][layer, 0/1, :, pos[b]], then query head h
 //   attends over positions 0..pos[b] of kv head h / (heads / kv_heads), in fp32 arithmetic.
 //   tiled = true: bf16 caches in the AMX tile layout of alignedserve/executor/kv_layout.py
@@ -266,22 +269,34 @@ inline Vec fold(Vec a, Vec b) {
 // Problem description, work items, scratch memory
 // ----------------------------------------------------------------------------------------------
 
+// fp32 -> bf16, rounding to nearest even (NaN -> the canonical quiet NaN): c10::BFloat16's
+// conversion, so a bf16 output is bit-identical to converting the fp32 one with torch.
+inline uint16_t to_bf16(float f) {
+  if (std::isnan(f)) return 0x7FC0;
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
 // Everything the workers read. Immutable during the parallel region except through the
 // disjoint per-item outputs (out rows, partial slots) and each (row, kv head)'s new token,
 // which only the item ending at it writes (append_if_last) and reads.
 struct Problem {
   int64_t heads, kv_heads, group, dim;
   float qscale;                  // scale * log2(e): scores come out in the log2 domain
-  const float* q;                // [B, heads, dim], fp32 (token-major caches)
-  const uint16_t* q_bf16;        // [B, heads, dim], bf16 (tiled caches)
+  const float* q;                // [B, heads, dim], fp32 (token-major caches); rows q_row apart
+  const uint16_t* q_bf16;        // [B, heads, dim], bf16 (tiled caches); rows q_row apart
+  int64_t q_row;                 // elements between rows of q (a row view of a fused qkv)
   std::vector<char*> k_base;     // per row: &cache[layer, 0, 0, 0, 0]
   std::vector<char*> v_base;     // per row: &cache[layer, 1, 0, 0, 0]
   std::vector<int64_t> hstride;  // per row: elements between kv heads
   const int64_t* pos;            // [B]
   const char* k_new;             // [B, kv_heads, dim], cache dtype: written by append_if_last
   const char* v_new;
+  int64_t new_row;               // elements between rows of k_new and of v_new
   int64_t elem;                  // cache element size in bytes
-  float* out;                    // [B, heads, dim], fp32, normalised
+  float* out;                    // [B, heads, dim], fp32, normalised; or, when null,
+  uint16_t* out_bf16;            // the same in bf16 (rounded to nearest even, as torch does)
   float* part_acc;               // [slots, group, dim], unnormalised P.V of one span
   float* part_ml;                // [slots, 2, group]: max score (log2) and sum of 2^(s - max)
 };
@@ -604,7 +619,7 @@ template <bool kTiled>
 inline void append_if_last(const Problem& P, const Item& it) {
   const int64_t row = it.row;
   if (it.end != P.pos[row] + 1) return;
-  const int64_t head = it.kv_head * P.hstride[row], src = (row * P.kv_heads + it.kv_head) * P.dim;
+  const int64_t head = it.kv_head * P.hstride[row], src = row * P.new_row + it.kv_head * P.dim;
   if constexpr (kTiled) {
     const auto* k = reinterpret_cast<const uint16_t*>(P.k_new) + src;
     const auto* v = reinterpret_cast<const uint16_t*>(P.v_new) + src;
@@ -622,7 +637,16 @@ inline void finish_item(const Problem& P, const Item& it, const float* acc, cons
                         const float* sum) {
   const int64_t gd = P.group * P.dim;
   if (it.slot < 0) {
-    float* o = P.out + (it.row * P.heads + it.kv_head * P.group) * P.dim;
+    const int64_t first = (it.row * P.heads + it.kv_head * P.group) * P.dim;
+    if (P.out_bf16 != nullptr) {
+      uint16_t* o = P.out_bf16 + first;
+      for (int64_t h = 0; h < P.group; ++h) {
+        const float inv = 1.0f / sum[h];
+        for (int64_t d = 0; d < P.dim; ++d) o[h * P.dim + d] = to_bf16(acc[h * P.dim + d] * inv);
+      }
+      return;
+    }
+    float* o = P.out + first;
     for (int64_t h = 0; h < P.group; ++h) {
       const Vec inv = vset1(1.0f / sum[h]);
       for (int64_t c = 0; c < P.dim; c += kLanes) {
@@ -643,7 +667,7 @@ void run_item(const Problem& P, const Item& it, Scratch& s, Prefetcher& pf) {
   const int64_t dim = rs.dim(), group = P.group;
   append_if_last<false>(P, it);
   const auto [k, v] = item_rows<E>(P, it);
-  const float* qsrc = P.q + (it.row * P.heads + it.kv_head * group) * dim;
+  const float* qsrc = P.q + it.row * P.q_row + it.kv_head * group * dim;
   to_block_layout<Pairs>(qsrc, group, dim, P.qscale, s.q.data(), false);
 
   const int64_t n = it.end - it.begin;
@@ -929,7 +953,7 @@ void run_item_tiled(const Problem& P, const Item& it, TiledScratch& s, Prefetche
   // Spans start at multiples of 16 (choose_span), so the token-major offset of the first token
   // is also where its K block and its V pair start.
   const auto [k, v] = item_rows<uint16_t>(P, it);
-  const uint16_t* q = P.q_bf16 + (it.row * P.heads + it.kv_head * P.group) * kTiledDim;
+  const uint16_t* q = P.q_bf16 + it.row * P.q_row + it.kv_head * P.group * kTiledDim;
   tiled_scores(q, k, n, padded, s, scores_pf);
   tiled_softmax(P.group, n, padded, P.qscale, s);
   tiled_values(v, n, padded, s, values_pf);
@@ -982,15 +1006,15 @@ void run_for_dim(const Problem& P, const Plan& plan) {
 
 // Softmax-merge of the spans of one (row, kv head): rescale each span by 2^(max_i - max).
 inline void merge_split(const Problem& P, const Split& sp) {
-  const int64_t gd = P.group * P.dim;
-  float* o = P.out + (sp.row * P.heads + sp.kv_head * P.group) * P.dim;
+  const int64_t gd = P.group * P.dim, first = (sp.row * P.heads + sp.kv_head * P.group) * P.dim;
+  float local[kLanes * kMaxChunks];  // one head's row when the output is bf16
   for (int64_t h = 0; h < P.group; ++h) {
     float mx = kNegInf;
     for (int64_t i = 0; i < sp.count; ++i) {
       mx = std::max(mx, P.part_ml[(sp.first_slot + i) * 2 * P.group + h]);
     }
     float total = 0.0f;
-    float* oh = o + h * P.dim;
+    float* oh = P.out_bf16 != nullptr ? local : P.out + first + h * P.dim;
     std::fill_n(oh, P.dim, 0.0f);
     for (int64_t i = 0; i < sp.count; ++i) {
       const int64_t slot = sp.first_slot + i;
@@ -1001,6 +1025,9 @@ inline void merge_split(const Problem& P, const Split& sp) {
       for (int64_t d = 0; d < P.dim; ++d) oh[d] += w * acc[d];
     }
     for (int64_t d = 0; d < P.dim; ++d) oh[d] /= total;
+    if (P.out_bf16 != nullptr) {
+      for (int64_t d = 0; d < P.dim; ++d) P.out_bf16[first + h * P.dim + d] = to_bf16(oh[d]);
+    }
   }
 }
 
@@ -1045,6 +1072,13 @@ void write_tiled(const at::Tensor& cache, int64_t layer, const at::Tensor& k, co
 
 // Input checks raise ValueError in Python (TORCH_CHECK_VALUE), like the PyTorch reference.
 #define ALIGNEDSERVE_CHECK(cond, ...) TORCH_CHECK_VALUE(cond, "decode_attention: ", __VA_ARGS__)
+
+// t itself when each row's [heads, dim] block is dense (rows may be any distance apart, as in
+// a view of a fused qkv), else a contiguous copy.
+at::Tensor dense_rows(const at::Tensor& t) {
+  const bool dense = t.stride(2) == 1 && (t.size(1) <= 1 || t.stride(1) == t.size(2));
+  return dense ? t : t.contiguous();
+}
 
 void check_shapes(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new,
                   size_t n_caches, const at::Tensor& positions) {
@@ -1100,10 +1134,14 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_new,
   }
 
   const at::Tensor pos = positions.to(at::kLong).contiguous();
-  // Tiled: the tile products take q in bf16 (exact when the model runs in bf16).
-  const at::Tensor qf = q.to(tiled ? at::kBFloat16 : at::kFloat).contiguous();
-  const at::Tensor kn = k_new.to(dtype).contiguous();
-  const at::Tensor vn = v_new.to(dtype).contiguous();
+  // Tiled: the tile products take q in bf16 (exact when the model runs in bf16). Row views of
+  // a fused qkv projection are read in place (no copies), each row's heads being dense.
+  const at::Tensor qf = dense_rows(q.to(tiled ? at::kBFloat16 : at::kFloat));
+  at::Tensor kn = dense_rows(k_new.to(dtype)), vn = dense_rows(v_new.to(dtype));
+  if (kn.stride(0) != vn.stride(0)) {  // one row stride serves both
+    kn = kn.contiguous();
+    vn = vn.contiguous();
+  }
   const auto elem = static_cast<int64_t>(caches[0].element_size());
 
   Problem P;
@@ -1114,11 +1152,13 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_new,
   P.qscale = static_cast<float>(scale * kLog2e);
   P.q = tiled ? nullptr : qf.data_ptr<float>();
   P.q_bf16 = tiled ? reinterpret_cast<const uint16_t*>(qf.data_ptr()) : nullptr;
+  P.q_row = qf.stride(0);
   P.pos = pos.data_ptr<int64_t>();
   // The new tokens are written inside the parallel region (append_if_last), after every check
   // here has passed: an error leaves the caches untouched.
   P.k_new = static_cast<const char*>(kn.data_ptr());
   P.v_new = static_cast<const char*>(vn.data_ptr());
+  P.new_row = kn.stride(0);
   P.elem = elem;
   for (int64_t b = 0; b < rows; ++b) {
     const at::Tensor& c = caches[b];
@@ -1133,10 +1173,14 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_new,
   const int threads = at::get_num_threads();
   const Plan plan = plan_items(P.pos, rows, kv_heads, choose_span(P.pos, rows, kv_heads, threads));
   const auto f32 = qf.options().dtype(at::kFloat);
-  at::Tensor out = at::empty({rows, heads, dim}, f32);
+  // bf16 (the model's dtype) is written directly; other dtypes are converted from fp32.
+  const bool bf16_out = q.scalar_type() == at::kBFloat16;
+  at::Tensor out = at::empty({rows, heads, dim}, bf16_out ? q.options().dtype(at::kBFloat16)
+                                                          : f32);
   at::Tensor part_acc = at::empty({plan.slots, P.group, dim}, f32);
   at::Tensor part_ml = at::empty({plan.slots, 2, P.group}, f32);
-  P.out = out.data_ptr<float>();
+  P.out = bf16_out ? nullptr : out.data_ptr<float>();
+  P.out_bf16 = bf16_out ? reinterpret_cast<uint16_t*>(out.data_ptr()) : nullptr;
   P.part_acc = part_acc.data_ptr<float>();
   P.part_ml = part_ml.data_ptr<float>();
 
@@ -1154,7 +1198,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_new,
   at::parallel_for(0, static_cast<int64_t>(plan.splits.size()), 8, [&](int64_t lo, int64_t hi) {
     for (int64_t i = lo; i < hi; ++i) merge_split(P, plan.splits[i]);
   });
-  return q.scalar_type() == at::kFloat ? out : out.to(q.scalar_type());
+  return bf16_out || q.scalar_type() == at::kFloat ? out : out.to(q.scalar_type());
 }
 
 // Which instruction path this build contains, for logs and tests.
