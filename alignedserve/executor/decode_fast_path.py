@@ -5,8 +5,9 @@ RoPE, attention, SiLU·up). Reaching them through ``LlamaDecoderLayer`` → ``Ll
 → ``PackedLinear`` → ``ops`` costs Python time per call (module dispatch, per-call routing
 checks, environment lookups) on the thread that starts every parallel region, while the other
 core spins: perf put ~16% of a 64-row step's wall time there. `DecodeFastPath` keeps each
-layer's weights in a flat tuple and calls the kernels back to back: 64 rows x 640 tokens
-65.2 -> 62.2 ms per step, 8 rows x 500 tokens 19.1 -> 16.6 ms (docs/architecture.md).
+layer's weights in a flat tuple and calls the kernels back to back: ~2.5 ms less per step at
+any batch size (64 rows x 640 tokens 65.5 -> 62.9 ms, 8 x 500 19.3 -> 16.8 ms; see
+docs/architecture.md, "The bf16 CPU step").
 
 Invariant: for the inputs it accepts (`applies`) it calls exactly the kernels the module path
 calls for them, in the same order and with the same arguments, so its output is bit-identical
