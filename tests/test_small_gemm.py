@@ -56,6 +56,18 @@ def test_rows_with_a_stride_wider_than_the_features() -> None:
     _within_bf16_rounding(got, want)
 
 
+def test_a_single_row_with_strided_features() -> None:
+    """One row may have any element stride (a column of a wider tensor): it is copied, then
+    padded to a whole tile, and gives the same result as its contiguous copy."""
+    _, weight, bias = _case(1, 32, 64)
+    packed = kernels.pack_weight(weight)
+    for _ in range(5):  # fresh tensors each time: a read of freed memory would show
+        row = torch.randn(64, 4, dtype=torch.bfloat16).t()[1:2]
+        assert row.stride(1) != 1
+        assert torch.equal(kernels.amx_linear(row, packed, bias),
+                           kernels.amx_linear(row.contiguous(), packed, bias))
+
+
 def test_zero_rows() -> None:
     x, weight, _ = _case(0, 16, 32)
     assert kernels.amx_linear(x, kernels.pack_weight(weight), None).shape == (0, 16)

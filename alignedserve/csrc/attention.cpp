@@ -301,6 +301,15 @@ struct Problem {
   float* part_ml;                // [slots, 2, group]: max score (log2) and sum of 2^(s - max)
 };
 
+// Element `index` of the normalised output, in whichever dtype the call returns.
+inline void store_out(const Problem& P, int64_t index, float value) {
+  if (P.out_bf16 != nullptr) {
+    P.out_bf16[index] = to_bf16(value);
+  } else {
+    P.out[index] = value;
+  }
+}
+
 // One unit of parallel work: kv head `kv_head` of row `row`, tokens [begin, end).
 struct Item {
   int64_t row, kv_head, begin, end;
@@ -638,19 +647,10 @@ inline void finish_item(const Problem& P, const Item& it, const float* acc, cons
   const int64_t gd = P.group * P.dim;
   if (it.slot < 0) {
     const int64_t first = (it.row * P.heads + it.kv_head * P.group) * P.dim;
-    if (P.out_bf16 != nullptr) {
-      uint16_t* o = P.out_bf16 + first;
-      for (int64_t h = 0; h < P.group; ++h) {
-        const float inv = 1.0f / sum[h];
-        for (int64_t d = 0; d < P.dim; ++d) o[h * P.dim + d] = to_bf16(acc[h * P.dim + d] * inv);
-      }
-      return;
-    }
-    float* o = P.out + first;
     for (int64_t h = 0; h < P.group; ++h) {
-      const Vec inv = vset1(1.0f / sum[h]);
-      for (int64_t c = 0; c < P.dim; c += kLanes) {
-        vstore(o + h * P.dim + c, vmul(vload(acc + h * P.dim + c), inv));
+      const float inv = 1.0f / sum[h];
+      for (int64_t d = 0; d < P.dim; ++d) {
+        store_out(P, first + h * P.dim + d, acc[h * P.dim + d] * inv);
       }
     }
     return;
@@ -1007,14 +1007,13 @@ void run_for_dim(const Problem& P, const Plan& plan) {
 // Softmax-merge of the spans of one (row, kv head): rescale each span by 2^(max_i - max).
 inline void merge_split(const Problem& P, const Split& sp) {
   const int64_t gd = P.group * P.dim, first = (sp.row * P.heads + sp.kv_head * P.group) * P.dim;
-  float local[kLanes * kMaxChunks];  // one head's row when the output is bf16
+  float oh[kLanes * kMaxChunks];  // one head's merged row
   for (int64_t h = 0; h < P.group; ++h) {
     float mx = kNegInf;
     for (int64_t i = 0; i < sp.count; ++i) {
       mx = std::max(mx, P.part_ml[(sp.first_slot + i) * 2 * P.group + h]);
     }
     float total = 0.0f;
-    float* oh = P.out_bf16 != nullptr ? local : P.out + first + h * P.dim;
     std::fill_n(oh, P.dim, 0.0f);
     for (int64_t i = 0; i < sp.count; ++i) {
       const int64_t slot = sp.first_slot + i;
@@ -1024,10 +1023,7 @@ inline void merge_split(const Problem& P, const Split& sp) {
       const float* acc = P.part_acc + slot * gd + h * P.dim;
       for (int64_t d = 0; d < P.dim; ++d) oh[d] += w * acc[d];
     }
-    for (int64_t d = 0; d < P.dim; ++d) oh[d] /= total;
-    if (P.out_bf16 != nullptr) {
-      for (int64_t d = 0; d < P.dim; ++d) P.out_bf16[first + h * P.dim + d] = to_bf16(oh[d]);
-    }
+    for (int64_t d = 0; d < P.dim; ++d) store_out(P, first + h * P.dim + d, oh[d] / total);
   }
 }
 

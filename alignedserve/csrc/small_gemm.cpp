@@ -163,18 +163,14 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed,
   if (M == 0) return out;
   // Whole row tiles: the last tile's missing rows read zeros, their results are not stored.
   const int64_t m_tiles = (M + kRows - 1) / kRows;
-  at::Tensor xp = x;
-  if (M % kRows == 0 && x.stride(1) == 1) {
-    // whole tiles, read in place
-  } else if (x.stride(1) == 1) {  // rows copied by hand: torch's zeros + copy_ cost ~7 us
+  const at::Tensor rows = x.stride(1) == 1 ? x : x.contiguous();  // only 1 row can be strided
+  at::Tensor xp = rows;
+  if (M % kRows) {  // padded by hand: torch's zeros + copy_ cost ~7 us per call
     xp = at::empty({m_tiles * kRows, K}, x.options());
-    const auto* src = reinterpret_cast<const uint16_t*>(x.data_ptr());
+    const auto* src = reinterpret_cast<const uint16_t*>(rows.data_ptr());
     auto* dst = reinterpret_cast<uint16_t*>(xp.data_ptr());
-    for (int64_t r = 0; r < M; ++r) std::memcpy(dst + r * K, src + r * x.stride(0), K * 2);
+    for (int64_t r = 0; r < M; ++r) std::memcpy(dst + r * K, src + r * rows.stride(0), K * 2);
     std::memset(dst + M * K, 0, (m_tiles * kRows - M) * K * 2);
-  } else {
-    xp = at::zeros({m_tiles * kRows, K}, x.options());
-    xp.narrow(0, 0, M).copy_(x);
   }
   at::Tensor bias_f = bias.defined() ? bias.to(at::kFloat).contiguous() : at::Tensor();
   const Problem P{reinterpret_cast<const uint16_t*>(xp.data_ptr()), xp.stride(0),

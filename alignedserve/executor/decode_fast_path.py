@@ -99,7 +99,7 @@ class DecodeFastPath:
         k = self.kernels
         heads, kv_heads, dim, eps = self.heads, self.kv_heads, self.head_dim, self.eps
         h = self.model.embed_tokens(input_ids)
-        cos, sin = self.model.rope_cache[positions].to(h.dtype).chunk(2, dim=-1)
+        cos, sin = self.model.rotary(positions, h.dtype)
         rows = h.shape[0]
         caches, pos, scale, tiled = (attn.decode_caches, attn.decode_positions, attn.scale,
                                      attn.tiled)

@@ -217,14 +217,18 @@ class LlamaForCausalLM(nn.Module):
                 f"and {tuple(positions.shape)}"
             )
         h = self.embed_tokens(input_ids)
-        # One gather for the whole step; every layer reuses it. cos, sin: [T, head_dim / 2].
-        cos, sin = self.rope_cache[positions].to(h.dtype).chunk(2, dim=-1)
+        cos, sin = self.rotary(positions, h.dtype)
         residual = None
         for layer in self.layers:
             h, residual = layer(h, residual, cos, sin, attn)
         if residual is None:  # a model without layers
             return self.norm(h)
         return self.norm.add_and_norm(h, residual)[0]
+
+    def rotary(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """cos, sin [T, head_dim / 2] in ``dtype`` for ``positions``: one gather per step, which
+        every layer reuses."""
+        return self.rope_cache[positions].to(dtype).chunk(2, dim=-1)
 
     def compute_logits(self, hidden: Tensor, widen: bool = True) -> Tensor:
         """[N, hidden] -> logits [N, vocab]: float32, or with ``widen=False`` the model's dtype
