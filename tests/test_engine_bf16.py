@@ -1,17 +1,27 @@
-"""bfloat16 closeness: the engine's greedy tokens are ones float32 transformers also rates top.
+"""bfloat16 closeness: the engine's greedy tokens are ones a float32 reference also rates top.
 
 Run with the bf16 KV cache (in the AMX tile layout where this CPU has AMX, and token-major)
-and with the 8-bit (fp8 e5m2) one, whose rounding of K/V costs more, so its bounds are looser.
+and with the 8-bit (fp8 e5m2) one.
 
 Exact tokens cannot be expected in bf16, so for each step we teacher-force our bf16 sequence
-through transformers in float32 and check (a) our chosen token's logprob is within
-a tolerance (``TOLERANCES``) of the best float32 logprob at that step (it was a top choice, or a
-near-tie), and (b) the logprob the engine reports for it is within a second tolerance of
-float32's for the same token.
+through a float32 reference and check (a) our chosen token's logprob is within a tolerance
+(``TOLERANCES``) of the reference's best logprob at that step (it was a top choice, or a
+near-tie), and (b) the logprob the engine reports for it is within a second tolerance of the
+reference's for the same token.
+
+The reference is what the cache promises: for the bf16 cache, float32 transformers; for the
+fp8 cache, our float32 model (bit-identical to transformers, tests/test_engine_parity.py)
+attending over K/V rounded to e5m2 and back, which is exactly what the engine stores. The
+e5m2 rounding itself (2 mantissa bits, no scales) moves logits by up to ~1 nat: on prompt 2
+step 1 it flips a 0.91-nat lead in float32 with every kernel disabled, on any CPU. Comparing
+against full precision with a per-token bound therefore tested which side of that rounding
+one CPU's bf16 arithmetic fell on, not the kernels; the e5m2 cost is bounded separately, as a
+mean over all steps against transformers (``FP8_MEAN_GAP``).
 """
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from alignedserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from alignedserve.engine import LLMEngine
@@ -21,16 +31,47 @@ from tests.test_engine_parity import document
 
 pytestmark = pytest.mark.model
 
-# Observed on the default model (2026-11-30): largest gap 0.04 nats, largest logprob
-# difference 0.095; the bounds leave room for other prompts without hiding a real bug
-# (a wrong token or a broken layer moves these by whole nats).
-# The fp8 e5m2 cache (2 mantissa bits, no scales) observed: one near-tie flip of 0.33 nats in
-# 64 tokens, reported logprobs off by up to 0.64 (mean 0.03-0.15; largest on the 16-token
-# prompt, where few keys average the rounding out). The gap bound still catches a broken path.
-# kv_cache_dtype -> (nats below float32's best token at the same step,
-#                    |reported logprob - float32 logprob| of the chosen token)
-TOLERANCES = {"auto": (0.25, 0.25), "fp8_e5m2": (0.6, 1.0)}
+# Observed on the default model (2026-11-30, AMX; 2026-12-01, AVX512-BF16): largest gap 0.04
+# nats, largest logprob difference 0.095 (bf16 cache) and 0.02 / 0.32 (fp8 cache against its
+# e5m2 reference: a K computed in bf16 that lands on the other side of an e5m2 rounding step
+# moves by a quarter of its value, so reported logprobs scatter more). The bounds leave room
+# for other prompts without hiding a real bug (a wrong token or a broken layer moves these
+# by whole nats).
+# kv_cache_dtype -> (nats below the reference's best token at the same step,
+#                    |reported logprob - reference logprob| of the chosen token)
+TOLERANCES = {"auto": (0.25, 0.25), "fp8_e5m2": (0.25, 0.6)}
+# Mean over all steps of the fp8 run's gap to float32 transformers' best token (observed
+# 0.026: one flip of 0.91 and one of 0.33 in 48 steps).
+FP8_MEAN_GAP = 0.1
 NEW = 16
+
+
+class RoundedKVAttention:
+    """Causal attention for one sequence, no cache, over K/V rounded to ``kv_dtype`` and back:
+    a float32 model computes what an engine with a ``kv_dtype`` cache computes, minus the
+    bf16 arithmetic."""
+
+    def __init__(self, kv_dtype: torch.dtype) -> None:
+        self.kv_dtype = kv_dtype
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor,
+                 v: torch.Tensor) -> torch.Tensor:
+        k, v = (x.to(self.kv_dtype).to(q.dtype).transpose(0, 1)[None] for x in (k, v))
+        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k, v, is_causal=True,
+                                             enable_gqa=True)
+        return out[0].transpose(0, 1)
+
+
+def reference_logprobs(kv_cache_dtype: str, hf_fp32, ours_fp32, ids: list[int]) -> torch.Tensor:
+    """float32 log-probabilities [T, vocab] of the sequence ``ids`` as a ``kv_cache_dtype``
+    cache would give them (see the module docstring)."""
+    if kv_cache_dtype == "auto":
+        logits = hf_fp32(torch.tensor([ids])).logits[0]
+    else:
+        tokens = torch.tensor(ids)
+        attn = RoundedKVAttention(torch.float8_e5m2)
+        logits = ours_fp32.compute_logits(ours_fp32(tokens, torch.arange(len(ids)), attn))
+    return torch.log_softmax(logits.float(), dim=-1)
 
 
 @torch.inference_mode()
@@ -55,16 +96,24 @@ def test_bf16_greedy_is_close_to_float32(default_model_path, default_model_fp32,
                 outs[out.request_id] = out.outputs[0]
     engine.close()
     logprob_tol, report_tol = TOLERANCES[kv_cache_dtype]
+    full_precision_gaps = []
     for i, prompt in enumerate(prompts):
         tokens = outs[str(i)].token_ids
         reported = [lp[t] for lp, t in zip(outs[str(i)].logprobs, tokens)]
-        logits = default_model_hf_fp32(torch.tensor([prompt + tokens])).logits[0].float()
-        logp = torch.log_softmax(logits[len(prompt) - 1:-1], dim=-1)
+        ids = prompt + tokens
+        logp = reference_logprobs(kv_cache_dtype, default_model_hf_fp32,
+                                  default_model_fp32.model, ids)[len(prompt) - 1:-1]
+        hf_logp = torch.log_softmax(
+            default_model_hf_fp32(torch.tensor([ids])).logits[0, len(prompt) - 1:-1].float(), -1)
         for step, token in enumerate(tokens):
             gap = (logp[step].max() - logp[step, token]).item()
             assert gap <= logprob_tol, f"prompt {i} step {step}: {gap:.3f} nats below best"
             diff = abs(reported[step] - logp[step, token].item())
             assert diff <= report_tol, f"prompt {i} step {step}: logprob off by {diff:.3f}"
+            full_precision_gaps.append((hf_logp[step].max() - hf_logp[step, token]).item())
+    mean_gap = sum(full_precision_gaps) / len(full_precision_gaps)
+    bound = FP8_MEAN_GAP if kv_cache_dtype == "fp8_e5m2" else logprob_tol
+    assert mean_gap <= bound, f"mean gap to float32 transformers {mean_gap:.3f} nats"
 
 
 NEAR_TIE_NATS = 0.1
