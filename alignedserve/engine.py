@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from alignedserve.config import EngineConfig, GiB
-from alignedserve.executor.kernels import tiled_kv_applies
+from alignedserve.kernels import kernels_for_path, select_kernels
 from alignedserve.executor.kv_pool import KVPool
 from alignedserve.executor.runner import ModelExecutor
 from alignedserve.kv.store import HOST, KVStore
@@ -80,7 +80,12 @@ class LLMEngine:
         self.dtype = resolve_dtype(config.dtype)
         device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.device = torch.device(device)
-        self.loaded = loaded or load_model(config.model, self.dtype, str(self.device))
+        if loaded is None:
+            kernels = (select_kernels(config.kernel_path) if self.device.type == "cpu"
+                       else kernels_for_path("reference"))
+            loaded = load_model(config.model, self.dtype, str(self.device), kernels)
+        self.loaded = loaded
+        self.kernels = loaded.model.kernels
         mc = self.loaded.config
         self.tokenizer = self.loaded.tokenizer
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings,
@@ -93,11 +98,12 @@ class LLMEngine:
         tier_devices = {t: self._tier_device(i) for i, t in enumerate(self.store.device_tiers)}
         tier_devices[HOST] = torch.device("cpu")
         tiled = cache.tiled_layout and all(
-            tiled_kv_applies(self.kv_dtype, mc.head_dim, cache.granularity, d)
+            self.kernels.tiled_kv_applies(self.kv_dtype, mc.head_dim, cache.granularity, d)
             for d in tier_devices.values())
         pool = KVPool(tier_devices, mc.num_layers, mc.num_kv_heads, mc.head_dim, self.kv_dtype,
                       tiled)
-        log.info("KV cache: %s, %s layout", str(self.kv_dtype).removeprefix("torch."),
+        log.info("kernels: %s path; KV cache: %s, %s layout", self.kernels.path,
+                 str(self.kv_dtype).removeprefix("torch."),
                  "tiled (AMX)" if tiled else "token-major")
         if cache.preallocate_kv:
             self._preallocate(pool, tier_devices)

@@ -62,6 +62,12 @@ class EngineCollector(Collector):
         return family
 
     def collect(self) -> Iterator[Metric]:
+        info = GaugeMetricFamily(P + "engine_info", "The engine's build: kernel instruction "
+                                 "set path (kernel_path) and policy; the value is 1.",
+                                 labels=["model_name", "kernel_path", "policy"])
+        info.add_metric([self.model_name, self.engine.kernels.path, self.engine.config.policy],
+                        1.0)
+        yield info
         sched = self.engine.scheduler
         yield self._gauge("num_requests_running", "Sequences prefilling or decoding.",
                           _racy_read(sched.num_running, 0))

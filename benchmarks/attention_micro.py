@@ -6,6 +6,7 @@ row's KV once, so the rows come from DRAM. hot: 8 rows of 1,000 tokens, one laye
 repeatedly (~6 MB in bf16: stays in cache), i.e. the kernel's arithmetic rate.
 
     python benchmarks/attention_micro.py [--dtypes bfloat16 float8_e5m2] [--threads 2] [--tiled]
+        [--path amx|avx512_bf16|avx2|reference]
     python benchmarks/attention_micro.py --huge-pages-ab [--length 640]
 
 --huge-pages-ab times 30 layers over 64 bf16 tiled rows of one length with the caches on huge
@@ -22,7 +23,8 @@ import time
 
 import torch
 
-from alignedserve.executor.kernels import load_kernels
+from alignedserve.kernels import select_kernels
+from alignedserve.kernels.isa import PATHS
 from alignedserve.huge_pages import HugePageArena, huge_pages_supported
 
 LAYERS, KV_HEADS, HEADS, DIM = 30, 3, 9, 64  # SmolLM2-135M
@@ -68,15 +70,16 @@ def main() -> None:
     parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float8_e5m2"])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--tiled", action="store_true",
-                        help="bf16 caches in the AMX tile layout (alignedserve.executor.kv_layout)")
+                        help="bf16 caches in the AMX tile layout (alignedserve.kernels.kv_layout)")
+    parser.add_argument("--path", choices=PATHS, default=None,
+                        help="kernel path (default: $ALIGNEDSERVE_ISA, else the CPU's best)")
     parser.add_argument("--huge-pages-ab", action="store_true",
                         help="huge-page vs 4 KiB caches, alternating (bf16, tiled)")
     parser.add_argument("--length", type=int, default=640, help="tokens per row (A/B only)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    kernels = load_kernels()
-    if kernels is None:
-        raise SystemExit("the compiled kernels are unavailable")
+    kernels = select_kernels(args.path)
+    print(f"kernel path: {kernels.path}")
     if args.huge_pages_ab:
         huge_pages_ab(kernels, args.length)
         return

@@ -38,3 +38,40 @@ def default_model_hf_fp32(default_model_path: Path) -> torch.nn.Module:
         str(default_model_path.parent), gguf_file=default_model_path.name, dtype=torch.float32
     )
     return model.eval()
+
+
+# ------------------------------------------------------------------------ kernel paths
+
+def kernel_path_params(paths: tuple[str, ...]) -> list[Any]:
+    """pytest params for kernel paths, each skipped (saying why) where this CPU lacks it."""
+    from alignedserve.kernels.isa import missing_flags
+
+    params = []
+    for path in paths:
+        missing = missing_flags(path)
+        marks = [pytest.mark.skip(reason=f"the {path} path needs CPU features this machine "
+                                         f"lacks: {', '.join(missing)}")] if missing else []
+        params.append(pytest.param(path, marks=marks, id=path))
+    return params
+
+
+def _compiled_paths() -> tuple[str, ...]:
+    from alignedserve.kernels.isa import PATHS
+
+    return tuple(p for p in PATHS if p != "reference")
+
+
+@pytest.fixture(params=kernel_path_params(_compiled_paths()))
+def compiled(request: pytest.FixtureRequest) -> Any:
+    """The `Kernels` of each compiled path this CPU runs (its build must succeed: a failed
+    build fails the test instead of hiding behind the reference)."""
+    from alignedserve.kernels import kernels_for_path
+
+    return kernels_for_path(request.param)
+
+
+@pytest.fixture(scope="session")
+def reference_kernels() -> Any:
+    from alignedserve.kernels import kernels_for_path
+
+    return kernels_for_path("reference")

@@ -23,6 +23,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+from alignedserve.config import EngineConfig
+from alignedserve.kernels import kernels_for_path
 from alignedserve.kv.store import KVStore
 from alignedserve.outputs import (
     CompletionOutput,
@@ -114,6 +116,8 @@ class FakeEngine:
                  eos_after: int = 12):
         self.tokenizer = ByteTokenizer()
         self.loaded = _Loaded()
+        self.config = EngineConfig(model="fake-model")
+        self.kernels = kernels_for_path("reference")
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.step_s = step_s

@@ -25,7 +25,6 @@ import torch.nn.functional as F
 
 from alignedserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from alignedserve.engine import LLMEngine
-from alignedserve.executor.kernels import tiled_kv_applies
 from alignedserve.sampling_params import SamplingParams
 from tests.test_engine_parity import document
 
@@ -84,7 +83,7 @@ def test_bf16_greedy_is_close_to_float32(default_model_path, default_model_fp32,
     engine = LLMEngine(EngineConfig(dtype="bfloat16", kv_cache_dtype=kv_cache_dtype,
                                     policy="aligned", cache=CacheConfig(tiled_layout=tiled)))
     if kv_cache_dtype == "auto":  # the tiled run must really take the tiled path where it can
-        assert engine.executor.pool.tiled == (tiled and tiled_kv_applies(
+        assert engine.executor.pool.tiled == (tiled and engine.kernels.tiled_kv_applies(
             torch.bfloat16, 64, 16, torch.device("cpu")))
     params = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True, logprobs=0)
     for i, p in enumerate(prompts):

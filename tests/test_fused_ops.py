@@ -1,21 +1,20 @@
-"""Fused bf16 elementwise kernels (alignedserve/csrc/fused.cpp) vs their PyTorch references.
+"""Fused bf16 elementwise kernels (kernels/csrc/fused.cpp) on every compiled path vs their
+PyTorch references (alignedserve.kernels.reference, the model's original code).
 
-The references in alignedserve.model.ops are the model's original code. On torch's x86
-builds the kernels are bit-identical to them; the asserts allow what fused.cpp documents for
-another ATen: rms_norm 1 bf16 ulp (sum-of-squares order), silu_mul 1 ulp on at most 1e-4 of
-the elements (exp on ATen's scalar tails). Kernel tests skip when the extension cannot be
-built or ALIGNEDSERVE_NO_KERNELS=1; the first run on a machine builds it (~30 s).
+On torch's x86 builds the kernels are bit-identical to them; the asserts allow what fused.cpp
+documents for another ATen: rms_norm 1 bf16 ulp (sum-of-squares order), silu_mul 1 ulp on at
+most 1e-4 of the elements (exp on ATen's scalar tails). ``compiled`` runs each test on every
+path this CPU supports (tests/conftest.py).
 """
 
 from __future__ import annotations
 
-from types import ModuleType
+import copy
 
 import pytest
 import torch
 
-from alignedserve.executor import kernels
-from alignedserve.model import ops
+from alignedserve.kernels import Kernels, reference
 
 BF16 = torch.bfloat16
 TOKENS = (1, 7, 64, 1031)  # 1031: an odd split over threads and grains
@@ -23,16 +22,6 @@ HIDDEN, EPS = 576, 1e-5
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
 INTERMEDIATE = 1536
 QKV = (HEADS + 2 * KV_HEADS) * HEAD_DIM
-
-
-@pytest.fixture
-def kernel() -> ModuleType:
-    if kernels.kernels_disabled():
-        pytest.skip("ALIGNEDSERVE_NO_KERNELS=1")
-    module = kernels.load_kernels()
-    if module is None:
-        pytest.skip("kernel extension failed to build")
-    return module
 
 
 def rand(*shape: int, seed: int, scale: float = 1.0, dtype: torch.dtype = BF16) -> torch.Tensor:
@@ -59,32 +48,32 @@ def rope(tokens: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 @pytest.mark.parametrize("tokens", TOKENS)
 @pytest.mark.parametrize("hidden", (HIDDEN, 100, 4100))  # 4100: deep sum cascade + scalar tail
-def test_rms_norm_matches_reference(kernel, tokens, hidden):
+def test_rms_norm_matches_reference(compiled, tokens, hidden):
     x, w = rand(tokens, hidden, seed=1, scale=3.0), rand(hidden, seed=2)
-    out = kernel.rms_norm(x, w, EPS)
-    assert ulps(out, ops.rms_norm_reference(x, w, EPS)).max() <= 1
-    assert torch.equal(ops.rms_norm(x, w, EPS), out)
+    out = compiled.ext.rms_norm(x, w, EPS)
+    assert ulps(out, reference.rms_norm(x, w, EPS)).max() <= 1
+    assert torch.equal(compiled.rms_norm(x, w, EPS), out)
 
 
 @pytest.mark.parametrize("tokens", TOKENS)
-def test_add_rms_norm_updates_residual_in_place(kernel, tokens):
+def test_add_rms_norm_updates_residual_in_place(compiled, tokens):
     x, w = rand(tokens, HIDDEN, seed=3), rand(HIDDEN, seed=4)
     residual = rand(tokens, HIDDEN, seed=5, scale=4.0)
     before = residual.clone()
-    want_out, want_residual = ops.add_rms_norm_reference(x, before, w, EPS)
-    out, returned = ops.add_rms_norm(x, residual, w, EPS)
+    want_out, want_residual = reference.add_rms_norm(x, before, w, EPS)
+    out, returned = compiled.add_rms_norm(x, residual, w, EPS)
     assert returned is residual
     assert torch.equal(residual, want_residual)  # the bf16 sum is exact
     assert ulps(out, want_out).max() <= 1
 
 
 @pytest.mark.parametrize("tokens", TOKENS)
-def test_rotary_qkv_in_place_matches_reference(kernel, tokens):
+def test_rotary_qkv_in_place_matches_reference(compiled, tokens):
     qkv = rand(tokens, QKV, seed=6, scale=2.0)
     cos, sin = rope(tokens, seed=7)
     original = qkv.clone()
-    want = ops.rotary_qkv_reference(original, cos, sin, HEADS, KV_HEADS, HEAD_DIM)
-    got = ops.rotary_qkv(qkv, cos, sin, HEADS, KV_HEADS, HEAD_DIM)
+    want = reference.rotary_qkv(original, cos, sin, HEADS, KV_HEADS, HEAD_DIM)
+    got = compiled.rotary_qkv(qkv, cos, sin, HEADS, KV_HEADS, HEAD_DIM)
     for g, w in zip(got, want):
         assert torch.equal(g, w)
     for view in got:  # views of qkv, not copies
@@ -93,45 +82,45 @@ def test_rotary_qkv_in_place_matches_reference(kernel, tokens):
     assert torch.equal(qkv[:, v_start:], original[:, v_start:])  # v untouched
 
 
-def test_rotary_qkv_accepts_model_shaped_cos_sin(kernel):
+def test_rotary_qkv_accepts_model_shaped_cos_sin(compiled):
     qkv = rand(5, QKV, seed=8)
     cos, sin = rope(5, seed=9)
-    want = ops.rotary_qkv_reference(qkv.clone(), cos, sin, HEADS, KV_HEADS, HEAD_DIM)
-    got = ops.rotary_qkv(qkv, cos[:, None], sin[:, None], HEADS, KV_HEADS, HEAD_DIM)
+    want = reference.rotary_qkv(qkv.clone(), cos, sin, HEADS, KV_HEADS, HEAD_DIM)
+    got = compiled.rotary_qkv(qkv, cos[:, None], sin[:, None], HEADS, KV_HEADS, HEAD_DIM)
     assert all(torch.equal(g, w) for g, w in zip(got, want))
 
 
 @pytest.mark.parametrize("tokens", TOKENS)
 @pytest.mark.parametrize("inter", (INTERMEDIATE, 1000))  # 1000: masked row tail
-def test_silu_mul_matches_reference(kernel, tokens, inter):
+def test_silu_mul_matches_reference(compiled, tokens, inter):
     gate_up = rand(tokens, 2 * inter, seed=10, scale=4.0)
-    diff = ulps(kernel.silu_mul(gate_up), ops.silu_mul_reference(gate_up))
+    diff = ulps(compiled.ext.silu_mul(gate_up), reference.silu_mul(gate_up))
     assert diff.max() <= 1 and (diff > 0).float().mean() <= 1e-4
 
 
-def test_silu_mul_every_bf16_gate(kernel):
+def test_silu_mul_every_bf16_gate(compiled):
     """Every finite bf16 gate value (NaN lanes compared as NaN), up = 1 and random."""
     gate = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(BF16)[None]
     for up in (torch.ones_like(gate), rand(*gate.shape, seed=11)):
         gate_up = torch.cat((gate, up), dim=-1)
-        got, want = kernel.silu_mul(gate_up), ops.silu_mul_reference(gate_up)
+        got, want = compiled.ext.silu_mul(gate_up), reference.silu_mul(gate_up)
         nan = want.isnan()
         assert torch.equal(got.isnan(), nan)
         diff = ulps(got[~nan], want[~nan])
         assert diff.max() <= 1 and (diff > 0).float().mean() <= 1e-4
 
 
-def test_non_finite_values_propagate(kernel):
+def test_non_finite_values_propagate(compiled):
     """NaN and inf land where the reference puts them (NaN bit patterns may differ)."""
     x, w = rand(4, HIDDEN, seed=31), rand(HIDDEN, seed=32)
     x[1, 7], x[2, 9] = float("nan"), float("inf")
     qkv = rand(4, QKV, seed=33)
     qkv[0, 3], qkv[3, HEADS * HEAD_DIM + 40] = float("nan"), float("-inf")
     cos, sin = rope(4, seed=34)
-    got = [kernel.rms_norm(x, w, EPS),
-           *ops.rotary_qkv(qkv.clone(), cos, sin, HEADS, KV_HEADS, HEAD_DIM)]
-    want = [ops.rms_norm_reference(x, w, EPS),
-            *ops.rotary_qkv_reference(qkv, cos, sin, HEADS, KV_HEADS, HEAD_DIM)]
+    got = [compiled.ext.rms_norm(x, w, EPS),
+           *compiled.rotary_qkv(qkv.clone(), cos, sin, HEADS, KV_HEADS, HEAD_DIM)]
+    want = [reference.rms_norm(x, w, EPS),
+            *reference.rotary_qkv(qkv, cos, sin, HEADS, KV_HEADS, HEAD_DIM)]
     for g, r in zip(got, want):
         assert torch.equal(g.isnan(), r.isnan())
         finite = ~r.isnan()
@@ -140,42 +129,42 @@ def test_non_finite_values_propagate(kernel):
 
 # --- layouts ----------------------------------------------------------------------------------
 
-def test_strided_rows_take_the_kernel(kernel):
+def test_strided_rows_take_the_kernel(compiled):
     """Row-strided views (a column slice of a wider tensor) are handled without copies."""
     wide = rand(33, 2 * HIDDEN, seed=12)
     x, w = wide[:, :HIDDEN], rand(HIDDEN, seed=13)
-    assert ulps(ops.rms_norm(x, w, EPS), ops.rms_norm_reference(x, w, EPS)).max() <= 1
+    assert ulps(compiled.rms_norm(x, w, EPS), reference.rms_norm(x, w, EPS)).max() <= 1
     wide_res = rand(33, HIDDEN + 8, seed=14)
     residual = wide_res[:, 8:]
     want_residual = residual + x
-    _, returned = ops.add_rms_norm(x, residual, w, EPS)
+    _, returned = compiled.add_rms_norm(x, residual, w, EPS)
     assert returned is residual and torch.equal(wide_res[:, 8:], want_residual)
     gate_up = rand(33, 2 * INTERMEDIATE + 64, seed=15)[:, 64:]
-    assert ulps(ops.silu_mul(gate_up), ops.silu_mul_reference(gate_up)).max() <= 1
+    assert ulps(compiled.silu_mul(gate_up), reference.silu_mul(gate_up)).max() <= 1
 
 
-def test_unsupported_layouts_fall_back(kernel):
+def test_unsupported_layouts_fall_back(compiled):
     """Non-unit last-dim strides and overlapping in-place rows take the reference."""
     x = rand(HIDDEN, 16, seed=16).t()  # [16, H], column stride 16
     w = rand(HIDDEN, seed=17)
-    assert torch.equal(ops.rms_norm(x, w, EPS), ops.rms_norm_reference(x, w, EPS))
+    assert torch.equal(compiled.rms_norm(x, w, EPS), reference.rms_norm(x, w, EPS))
     residual = rand(1, HIDDEN, seed=18).expand(16, HIDDEN)  # every row aliases one
-    out, new_residual = ops.add_rms_norm(x, residual, w, EPS)
-    want_out, want_residual = ops.add_rms_norm_reference(x, residual, w, EPS)
+    out, new_residual = compiled.add_rms_norm(x, residual, w, EPS)
+    want_out, want_residual = reference.add_rms_norm(x, residual, w, EPS)
     assert new_residual is not residual and torch.equal(new_residual, want_residual)
     assert torch.equal(out, want_out)
     gate_up = rand(2 * INTERMEDIATE, 4, seed=19).t()
-    assert torch.equal(ops.silu_mul(gate_up), ops.silu_mul_reference(gate_up))
+    assert torch.equal(compiled.silu_mul(gate_up), reference.silu_mul(gate_up))
 
 
-def test_kernel_rejects_bad_shapes(kernel):
+def test_kernel_rejects_bad_shapes(compiled):
     x = rand(4, HIDDEN, seed=20)
     with pytest.raises(ValueError, match="weight"):
-        kernel.rms_norm(x, rand(HIDDEN - 1, seed=21), EPS)
+        compiled.ext.rms_norm(x, rand(HIDDEN - 1, seed=21), EPS)
     with pytest.raises(ValueError, match="bfloat16"):
-        kernel.silu_mul(x.float())
+        compiled.ext.silu_mul(x.float())
     with pytest.raises(ValueError, match="qkv"):
-        kernel.rotary_qkv_(x, *rope(4, seed=22), HEADS, KV_HEADS, HEAD_DIM)
+        compiled.ext.rotary_qkv_(x, *rope(4, seed=22), HEADS, KV_HEADS, HEAD_DIM)
 
 
 # --- reference paths --------------------------------------------------------------------------
@@ -189,41 +178,49 @@ def _inputs(dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
     return x, w, residual, qkv, cos, sin, rand(9, 2 * INTERMEDIATE, seed=28, dtype=dtype)
 
 
-def run_all(dtype: torch.dtype) -> list[torch.Tensor]:
-    """Every op through the dispatcher on fresh inputs of `dtype`, plus those inputs."""
+def run_all(kernels: Kernels, dtype: torch.dtype) -> list[torch.Tensor]:
+    """Every op through ``kernels`` on fresh inputs of `dtype`, plus those inputs."""
     x, w, residual, qkv, cos, sin, gate_up = _inputs(dtype)
-    return [ops.rms_norm(x, w, EPS), *ops.add_rms_norm(x, residual, w, EPS),
-            *ops.rotary_qkv(qkv, cos, sin, HEADS, KV_HEADS, HEAD_DIM), ops.silu_mul(gate_up),
-            residual, qkv]
+    return [kernels.rms_norm(x, w, EPS), *kernels.add_rms_norm(x, residual, w, EPS),
+            *kernels.rotary_qkv(qkv, cos, sin, HEADS, KV_HEADS, HEAD_DIM),
+            kernels.silu_mul(gate_up), residual, qkv]
 
 
 def run_references(dtype: torch.dtype) -> list[torch.Tensor]:
     x, w, residual, qkv, cos, sin, gate_up = _inputs(dtype)
-    return [ops.rms_norm_reference(x, w, EPS), *ops.add_rms_norm_reference(x, residual, w, EPS),
-            *ops.rotary_qkv_reference(qkv, cos, sin, HEADS, KV_HEADS, HEAD_DIM),
-            ops.silu_mul_reference(gate_up), residual, qkv]
+    return [reference.rms_norm(x, w, EPS), *reference.add_rms_norm(x, residual, w, EPS),
+            *reference.rotary_qkv(qkv, cos, sin, HEADS, KV_HEADS, HEAD_DIM),
+            reference.silu_mul(gate_up), residual, qkv]
 
 
-def _no_kernels():
-    raise AssertionError("a reference path asked for the kernels")
+class _NoBuild:
+    """Stands in for a path's build: any use of it fails the test."""
+
+    def __getattr__(self, name: str):
+        raise AssertionError(f"a reference route used the compiled {name}")
 
 
-def test_float32_always_takes_the_reference(monkeypatch):
-    monkeypatch.setattr(ops, "load_kernels", _no_kernels)
-    for got, want in zip(run_all(torch.float32), run_references(torch.float32)):
+def without_build(kernels: Kernels) -> Kernels:
+    """``kernels`` whose compiled ops all fail: what still works took the reference."""
+    untouchable = copy.copy(kernels)
+    untouchable.ext = _NoBuild()
+    return untouchable
+
+
+def test_float32_always_takes_the_reference(compiled):
+    untouchable = without_build(compiled)
+    for got, want in zip(run_all(untouchable, torch.float32), run_references(torch.float32)):
         assert torch.equal(got, want)  # inputs (the last two) untouched too
 
 
-def test_no_kernels_env_gives_the_reference(monkeypatch):
-    monkeypatch.setenv("ALIGNEDSERVE_NO_KERNELS", "1")
-    monkeypatch.setattr(ops, "load_kernels", _no_kernels)
-    for got, want in zip(run_all(BF16), run_references(BF16)):
+def test_reference_path_is_the_reference(reference_kernels):
+    for got, want in zip(run_all(reference_kernels, BF16), run_references(BF16)):
         assert torch.equal(got, want)
 
 
-def test_autograd_takes_the_reference(monkeypatch):
-    monkeypatch.setattr(ops, "load_kernels", _no_kernels)
+def test_autograd_takes_the_reference(compiled):
+    untouchable = without_build(compiled)
     x = rand(3, HIDDEN, seed=29).requires_grad_()
-    out = ops.rms_norm(x, rand(HIDDEN, seed=30), EPS)
+    out = untouchable.rms_norm(x, rand(HIDDEN, seed=30), EPS)
     out.float().sum().backward()
     assert x.grad is not None

@@ -1,21 +1,22 @@
-"""Decode-attention kernel vs the pure-PyTorch reference (alignedserve.executor.kernels).
+"""Decode attention on every compiled kernel path vs the PyTorch reference.
 
-The first run on a machine builds the C++ extension (~30 s, cached under
-$ALIGNEDSERVE_CACHE); later runs take a few seconds. A failed build fails these tests rather
-than skipping them, unless ALIGNEDSERVE_NO_KERNELS=1 says the fallback is intended.
+``compiled`` (tests/conftest.py) runs each test on every path this CPU supports (amx,
+avx512_bf16, avx2) and skips, saying why, the ones it lacks. The first run on a machine
+builds each path's extension (cached under $ALIGNEDSERVE_CACHE); a failed build fails
+these tests rather than skipping them.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from types import ModuleType
 
 import pytest
 import torch
 
-from alignedserve.executor import kernels
-from alignedserve.executor.kernels import decode_attention, decode_attention_reference
+from alignedserve.kernels import Kernels, build, dispatch, reference
+
+decode_attention_reference = reference.decode_attention
 
 LENGTHS = (1, 2, 17, 300, 1000)
 FP8 = torch.float8_e5m2
@@ -66,21 +67,12 @@ def tolerance(dtype: torch.dtype) -> dict[str, float]:
     return {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 1e-2, "rtol": 1e-2}
 
 
-@pytest.fixture(scope="module")
-def ext() -> ModuleType:
-    if os.environ.get("ALIGNEDSERVE_NO_KERNELS") == "1":
-        pytest.skip("ALIGNEDSERVE_NO_KERNELS=1: only the reference is in use")
-    module = kernels.load_kernels()
-    assert module is not None, "the decode-attention extension failed to build (see log)"
-    return module
-
-
-def run_both(ext: ModuleType, case: Case) -> tuple[torch.Tensor, list[torch.Tensor],
+def run_both(kernels: Kernels, case: Case) -> tuple[torch.Tensor, list[torch.Tensor],
                                                     torch.Tensor, list[torch.Tensor]]:
     """(kernel out, kernel caches, reference out, reference caches) on separate cache copies."""
     k_caches, r_caches = case.fresh_caches(), case.fresh_caches()
     args = (case.k_new, case.v_new)
-    out = ext.decode_attention(case.q, *args, k_caches, case.positions, LAYER, case.scale)
+    out = kernels.ext.decode_attention(case.q, *args, k_caches, case.positions, LAYER, case.scale)
     ref = decode_attention_reference(case.q, *args, r_caches, case.positions, LAYER, case.scale)
     return out, k_caches, ref, r_caches
 
@@ -104,10 +96,10 @@ def assert_same_caches(got: list[torch.Tensor], want: list[torch.Tensor]) -> Non
 
 @pytest.mark.parametrize("dtype", CACHE_DTYPES)
 @pytest.mark.parametrize("group,dim", [(1, 64), (3, 64), (1, 128), (3, 128), (7, 64), (8, 128)])
-def test_kernel_matches_reference(ext: ModuleType, dtype: torch.dtype, group: int,
+def test_kernel_matches_reference(compiled: Kernels, dtype: torch.dtype, group: int,
                                   dim: int) -> None:
     case = make_case(dtype, LENGTHS, heads=2 * group, kv_heads=2, dim=dim)
-    out, k_caches, ref, r_caches = run_both(ext, case)
+    out, k_caches, ref, r_caches = run_both(compiled, case)
     assert out.dtype == case.q.dtype and out.shape == case.q.shape
     assert not out.isnan().any()
     torch.testing.assert_close(out, ref, **tolerance(dtype))
@@ -116,16 +108,16 @@ def test_kernel_matches_reference(ext: ModuleType, dtype: torch.dtype, group: in
 
 
 @pytest.mark.parametrize("dtype", CACHE_DTYPES)
-def test_long_rows_split_into_spans(ext: ModuleType, dtype: torch.dtype) -> None:
+def test_long_rows_split_into_spans(compiled: Kernels, dtype: torch.dtype) -> None:
     """A few long rows are cut into spans merged afterwards; thread count must not matter."""
     case = make_case(dtype, (5000, 3, 2100), heads=8, kv_heads=2, dim=64, seed=1)
-    out, k_caches, ref, _ = run_both(ext, case)
+    out, k_caches, ref, _ = run_both(compiled, case)
     torch.testing.assert_close(out, ref, **tolerance(dtype))
     assert_same_caches(k_caches, expected_caches(case))
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        single, _, _, _ = run_both(ext, case)
+        single, _, _, _ = run_both(compiled, case)
     finally:
         torch.set_num_threads(threads)
     # The span plan depends on the thread count, so fp32 partial sums can differ in the last
@@ -135,44 +127,44 @@ def test_long_rows_split_into_spans(ext: ModuleType, dtype: torch.dtype) -> None
 
 
 @pytest.mark.parametrize("dim", [48, 96, 256])
-def test_uncommon_head_dims(ext: ModuleType, dim: int) -> None:
+def test_uncommon_head_dims(compiled: Kernels, dim: int) -> None:
     """Head dims without a specialised build (runtime vector count, 16- and 32-multiples)."""
     for dtype in CACHE_DTYPES:
         case = make_case(dtype, (5, 40, 129), heads=4, kv_heads=1, dim=dim, seed=dim)
-        out, k_caches, ref, _ = run_both(ext, case)
+        out, k_caches, ref, _ = run_both(compiled, case)
         torch.testing.assert_close(out, ref, **tolerance(dtype))
         assert_same_caches(k_caches, expected_caches(case))
 
 
-def test_fp32_query_on_bf16_cache(ext: ModuleType) -> None:
+def test_fp32_query_on_bf16_cache(compiled: Kernels) -> None:
     """q stays fp32 (output fp32), k_new/v_new arrive fp32 and are rounded into the cache."""
     case = make_case(torch.bfloat16, LENGTHS, heads=6, kv_heads=2, dim=64, q_dtype=torch.float32)
     case.k_new, case.v_new = case.k_new.float() + 1e-3, case.v_new.float() - 1e-3
-    out, k_caches, ref, _ = run_both(ext, case)
+    out, k_caches, ref, _ = run_both(compiled, case)
     assert out.dtype == torch.float32
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
     assert_same_caches(k_caches, expected_caches(case))
 
 
-def test_rows_of_a_cohort_slab(ext: ModuleType) -> None:
+def test_rows_of_a_cohort_slab(compiled: Kernels) -> None:
     """caches[b] may be a strided view slab[:, :, b] of [layers, 2, rows, kv_heads, cap, dim]."""
     lengths = (7, 64, 33)
     slab = torch.randn(LAYERS, 2, len(lengths), 2, 80, 64)
     case = make_case(torch.float32, lengths, heads=4, kv_heads=2, dim=64)
     case.caches = [slab[:, :, b] for b in range(len(lengths))]
-    out, k_caches, ref, _ = run_both(ext, case)
+    out, k_caches, ref, _ = run_both(compiled, case)
     torch.testing.assert_close(out, ref, **tolerance(torch.float32))
     assert_same_caches(k_caches, expected_caches(case))
 
 
 @pytest.mark.parametrize("dtype,tiled", [(torch.bfloat16, False), (torch.float32, False),
                                          (FP8, False), (torch.bfloat16, True)])
-def test_row_views_of_a_fused_qkv(ext: ModuleType, dtype: torch.dtype, tiled: bool) -> None:
+def test_row_views_of_a_fused_qkv(compiled: Kernels, dtype: torch.dtype, tiled: bool) -> None:
     """q, k_new, v_new as row views of one [B, (H + 2 KVH) * D] projection (how the model
     passes them; read in place) give bit-identical outputs and caches to contiguous copies,
     including rows long enough to be split into spans."""
-    if tiled and not ext.tiled_kv_available():
-        pytest.skip("no AMX decode kernel for tiled caches here")
+    if tiled and not compiled.amx:
+        pytest.skip(f"tiled caches are read by the AMX kernel only, not on {compiled.path}")
     heads, kv_heads, dim = 9, 3, 64
     lengths = (1, 17, 300, 2100)
     case = make_case(torch.bfloat16 if tiled else dtype, lengths, heads, kv_heads, dim)
@@ -189,64 +181,52 @@ def test_row_views_of_a_fused_qkv(ext: ModuleType, dtype: torch.dtype, tiled: bo
     outs = []
     for args in (views, tuple(t.contiguous() for t in views)):
         caches = case.fresh_caches()
-        out = ext.decode_attention(*args, caches, case.positions, LAYER, case.scale, tiled)
+        out = compiled.ext.decode_attention(*args, caches, case.positions, LAYER, case.scale,
+                                            tiled)
         outs.append((out, caches))
     assert outs[0][0].dtype == case.q.dtype
     assert torch.equal(outs[0][0], outs[1][0])
     assert_same_caches(outs[0][1], outs[1][1])
 
 
-def test_env_var_forces_reference(ext: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
-    case = make_case(torch.bfloat16, LENGTHS, heads=6, kv_heads=2, dim=64)
-    fast = decode_attention(case.q, case.k_new, case.v_new, case.fresh_caches(), case.positions,
-                            LAYER, case.scale)
-    monkeypatch.setenv("ALIGNEDSERVE_NO_KERNELS", "1")
-    caches = case.fresh_caches()
-    slow = decode_attention(case.q, case.k_new, case.v_new, caches, case.positions, LAYER,
-                            case.scale)
-    ref = decode_attention_reference(case.q, case.k_new, case.v_new, case.fresh_caches(),
-                                     case.positions, LAYER, case.scale)
-    assert torch.equal(slow, ref)  # bit-identical: it *is* the reference
-    torch.testing.assert_close(fast, slow, **tolerance(torch.bfloat16))
-    assert_same_caches(caches, expected_caches(case))
-
-
-def test_unsupported_head_dim_falls_back(caplog: pytest.LogCaptureFixture,
-                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("ALIGNEDSERVE_NO_KERNELS", raising=False)  # the log is the kernel path's
-    kernels._warn_once.cache_clear()  # the reason is logged once per process
+def test_unsupported_head_dim_falls_back(compiled: Kernels,
+                                         caplog: pytest.LogCaptureFixture) -> None:
+    dispatch._warn_once.cache_clear()  # the reason is logged once per process
     case = make_case(torch.float32, (3, 20), heads=2, kv_heads=1, dim=40)
-    with caplog.at_level("WARNING", logger=kernels.__name__):
-        out = decode_attention(case.q, case.k_new, case.v_new, case.fresh_caches(),
-                               case.positions, LAYER, case.scale)
+    with caplog.at_level("WARNING", logger=dispatch.__name__):
+        out = compiled.decode_attention(case.q, case.k_new, case.v_new, case.fresh_caches(),
+                                        case.positions, LAYER, case.scale)
     ref = decode_attention_reference(case.q, case.k_new, case.v_new, case.fresh_caches(),
                                      case.positions, LAYER, case.scale)
     assert torch.equal(out, ref)
     assert any("head_dim 40" in r.getMessage() for r in caplog.records)
 
 
-@pytest.mark.parametrize("use_kernel", [True, False])
-def test_bad_inputs_raise_value_error(ext: ModuleType, monkeypatch: pytest.MonkeyPatch,
-                                      use_kernel: bool) -> None:
-    if not use_kernel:
-        monkeypatch.setenv("ALIGNEDSERVE_NO_KERNELS", "1")
+@pytest.fixture(params=["compiled", "reference"])
+def any_kernels(request: pytest.FixtureRequest, compiled: Kernels,
+                reference_kernels: Kernels) -> Kernels:
+    return compiled if request.param == "compiled" else reference_kernels
+
+
+def test_bad_inputs_raise_value_error(any_kernels: Kernels) -> None:
     case = make_case(torch.float32, (4, 9), heads=2, kv_heads=1, dim=64)
     past_end = torch.tensor([4, 9])  # row 1's capacity is 9
     caches = case.fresh_caches()
     with pytest.raises(ValueError, match="capacity"):
-        decode_attention(case.q, case.k_new, case.v_new, caches, past_end, LAYER, case.scale)
+        any_kernels.decode_attention(case.q, case.k_new, case.v_new, caches, past_end, LAYER,
+                                     case.scale)
     # Rejected before any write: row 0 (valid) did not get its new token either.
     assert all(torch.equal(c.nan_to_num(7.0), f.nan_to_num(7.0))  # unwritten slots hold NaN
                for c, f in zip(caches, case.fresh_caches()))
     with pytest.raises(ValueError, match="one cache"):
-        decode_attention(case.q, case.k_new, case.v_new, case.caches[:1], case.positions, LAYER,
-                         case.scale)
+        any_kernels.decode_attention(case.q, case.k_new, case.v_new, case.caches[:1],
+                                     case.positions, LAYER, case.scale)
 
 
-def test_empty_batch(ext: ModuleType) -> None:
+def test_empty_batch(compiled: Kernels) -> None:
     q = torch.empty(0, 4, 64)
     kv = torch.empty(0, 2, 64)
-    out = decode_attention(q, kv, kv, [], torch.empty(0, dtype=torch.int64), 0, 0.125)
+    out = compiled.decode_attention(q, kv, kv, [], torch.empty(0, dtype=torch.int64), 0, 0.125)
     assert out.shape == (0, 4, 64)
 
 
@@ -265,5 +245,5 @@ def test_the_interpreters_own_ninja_goes_first_on_path(monkeypatch: pytest.Monke
     other.write_text("#!/bin/sh\nexit 1\n")
     other.chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}/usr/bin")
-    kernels._ensure_ninja_on_path()
+    build._ensure_ninja_on_path()
     assert shutil.which("ninja") == str(own)

@@ -1,8 +1,8 @@
-"""The tiled bf16 KV layout (alignedserve.executor.kv_layout) and the kernels that read it.
+"""The tiled bf16 KV layout (alignedserve.kernels.kv_layout) and the kernels that read it.
 
-The layout helpers are pure PyTorch and always tested. The compiled writer, the AMX decode
-path and the prefill kernel's tiled input are skipped where the build or CPU has no AMX-BF16
-(the engine then keeps caches token-major).
+The layout helpers are pure PyTorch and always tested; the compiled writer on every compiled
+path. The AMX decode path and the prefill kernel's tiled input run on the amx path only and
+are skipped, saying why, on CPUs without AMX-BF16 (the engine then keeps caches token-major).
 """
 
 from __future__ import annotations
@@ -12,8 +12,10 @@ import random
 import pytest
 import torch
 
-from alignedserve.executor import kernels, kv_layout
-from alignedserve.executor.kernels import decode_attention_reference
+from alignedserve.kernels import Kernels, kernels_for_path, kv_layout, reference
+from tests.conftest import kernel_path_params
+
+decode_attention_reference = reference.decode_attention
 
 KV_HEADS, HEADS, DIM, LAYERS = 3, 9, 64, 2
 
@@ -51,22 +53,22 @@ def test_element_offsets_are_the_documented_ones():
             assert flat[offset(t, d)] == tokens[0, t, d]
 
 
-@pytest.fixture(scope="module")
-def ext():
-    module = None if kernels.kernels_disabled() else kernels.load_kernels()
-    if module is None or not module.tiled_kv_available():
-        pytest.skip("no AMX decode kernel for tiled caches in this build / on this CPU")
-    return module
+@pytest.fixture(scope="module", params=kernel_path_params(("amx",)))
+def ext(request):
+    """The AMX path's build (the only one that reads tiled caches)."""
+    kernels = kernels_for_path(request.param)
+    assert kernels.amx, "the amx path loaded without its AMX kernels"
+    return kernels.ext
 
 
-def test_compiled_writer_matches_layout(ext):
+def test_compiled_writer_matches_layout(compiled: Kernels):
     gen = torch.Generator().manual_seed(1)
     for start, count in [(0, 1), (0, 16), (5, 40), (15, 2), (31, 33), (64, 100)]:
         cache = random_bf16(LAYERS, 2, KV_HEADS, 176, DIM, gen=gen)
         expect = cache.clone()
         k = random_bf16(count, KV_HEADS, DIM, gen=gen)
         v = random_bf16(count, KV_HEADS, DIM, gen=gen)
-        ext.write_tiled(cache, 1, k, v, start)
+        compiled.write_tiled(cache, 1, k, v, start)
         kv_layout.write(expect[1, 0], start, k.transpose(0, 1), kv_layout.KEYS)
         kv_layout.write(expect[1, 1], start, v.transpose(0, 1), kv_layout.VALUES)
         assert torch.equal(cache.view(torch.int16), expect.view(torch.int16)), (start, count)
@@ -143,8 +145,6 @@ def test_tiled_decode_rejects_what_it_cannot_take(ext):
 @pytest.mark.parametrize("start,count", [(0, 100), (0, 700), (37, 500), (1024, 1023), (900, 77)])
 def test_prefill_kernel_reads_tiled_planes(ext, start, count):
     """Bit-identical to the kernel on the same values laid out token-major."""
-    if not ext.prefill_attention_available():
-        pytest.skip("no AMX prefill kernel")
     gen = torch.Generator().manual_seed(start + count)
     stop = start + count
     keys = random_bf16(KV_HEADS, stop, DIM, gen=gen)
@@ -157,11 +157,10 @@ def test_prefill_kernel_reads_tiled_planes(ext, start, count):
     assert torch.equal(got, ext.prefill_attention(q, keys, values, start, 0.125))
 
 
-def test_engine_uses_tiled_caches_only_where_they_apply(ext):
-    from alignedserve.executor.kernels import tiled_kv_applies
+def test_engine_uses_tiled_caches_only_where_they_apply(compiled: Kernels):
     cpu = torch.device("cpu")
-    assert tiled_kv_applies(torch.bfloat16, 64, 16, cpu)
-    assert not tiled_kv_applies(torch.float32, 64, 16, cpu)
-    assert not tiled_kv_applies(torch.float8_e5m2, 64, 16, cpu)
-    assert not tiled_kv_applies(torch.bfloat16, 128, 16, cpu)
-    assert not tiled_kv_applies(torch.bfloat16, 64, 8, cpu)
+    assert compiled.tiled_kv_applies(torch.bfloat16, 64, 16, cpu) == (compiled.path == "amx")
+    assert not compiled.tiled_kv_applies(torch.float32, 64, 16, cpu)
+    assert not compiled.tiled_kv_applies(torch.float8_e5m2, 64, 16, cpu)
+    assert not compiled.tiled_kv_applies(torch.bfloat16, 128, 16, cpu)
+    assert not compiled.tiled_kv_applies(torch.bfloat16, 64, 8, cpu)

@@ -162,7 +162,8 @@ def _write_tiny_gguf(hf: torch.nn.Module, path: Path) -> None:
 
 
 @pytest.mark.parametrize("tied", [False, True])
-def test_gguf_weights_and_config_match_transformers(tmp_path: Path, tied: bool) -> None:
+def test_gguf_weights_and_config_match_transformers(tmp_path: Path, tied: bool,
+                                                    reference_kernels) -> None:
     import gguf
 
     hf = tiny_hf_model("llama", tie_word_embeddings=tied, rope_theta=50000.0)
@@ -172,7 +173,8 @@ def test_gguf_weights_and_config_match_transformers(tmp_path: Path, tied: bool) 
     config = loader._gguf_config(reader)
     assert config.tie_word_embeddings == tied and config.rope_theta == 50000.0
     assert (config.num_heads, config.num_kv_heads, config.head_dim) == (4, 2, 16)
-    model = loader._build_model(config, loader._gguf_weights(reader, config), torch.float32, "cpu")
+    model = loader._build_model(config, loader._gguf_weights(reader, config), torch.float32, "cpu",
+                                reference_kernels)
     ids = _ids(30)
     diff = (our_logits(model, ids) - hf_logits(hf, ids)).abs().max().item()
     assert diff < 1e-4

@@ -1,8 +1,10 @@
-"""The AMX prefill-attention kernel against torch's SDPA (float32 on the same bf16 inputs).
+"""The prefill-attention kernels (AMX, AVX512-BF16) against torch's SDPA (float32 on the
+same bf16 inputs), on every compiled path this CPU has that has one (the avx2 path uses SDPA,
+which the engine tests cover).
 
-Skipped where the build or CPU has no AMX-BF16 (the engine then uses SDPA, which the engine
-tests cover). The kernel's own error must stay at the level of torch's bf16 SDPA: the output
-rounding (half a bf16 ulp) plus the bf16 rounding of the probabilities.
+The kernel's own error must stay at the level of torch's bf16 SDPA: the output rounding (half
+a bf16 ulp) plus the bf16 rounding of the probabilities. A query's output must not depend on
+how its prompt was cut into chunks or on the thread count (batch invariance).
 """
 
 from __future__ import annotations
@@ -11,16 +13,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from alignedserve.executor import kernels
 from alignedserve.executor.attention import PrefillSegment, StepAttention
+from alignedserve.kernels import Kernels
 
 
-@pytest.fixture(scope="module")
-def ext():
-    module = kernels.load_kernels()
-    if module is None or not module.prefill_attention_available():
-        pytest.skip("no AMX prefill kernel in this build / on this CPU")
-    return module
+@pytest.fixture
+def ext(compiled: Kernels) -> Kernels:
+    """Each compiled path with a prefill kernel (its ops, not the raw build)."""
+    if not compiled.prefill_kernel_applies(torch.empty(1, 1, 64, dtype=torch.bfloat16)):
+        pytest.skip(f"the {compiled.path} path has no prefill kernel (SDPA runs there)")
+    return compiled
 
 
 def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
@@ -66,14 +68,14 @@ def test_matches_sdpa(ext, tokens: int, start: int, heads: int, kv_heads: int, d
 def test_rejects_bad_inputs(ext):
     q = torch.randn(4, 6, 64, dtype=torch.bfloat16)
     k = torch.randn(3, 10, 64, dtype=torch.bfloat16)
-    with pytest.raises(RuntimeError, match="S == start"):
+    with pytest.raises((RuntimeError, ValueError), match="S == start"):
         ext.prefill_attention(q, k, k, 5, 0.125)  # 5 + 4 != 10 keys
-    with pytest.raises(RuntimeError, match="multiple of kv heads"):
+    with pytest.raises((RuntimeError, ValueError), match="multiple of kv heads"):
         ext.prefill_attention(torch.randn(4, 7, 64, dtype=torch.bfloat16), k[:, :4], k[:, :4],
                               0, 0.125)
-    with pytest.raises(RuntimeError, match="bf16"):
+    with pytest.raises((RuntimeError, ValueError), match="bf16"):
         ext.prefill_attention(q.float(), k[:, :4], k[:, :4], 0, 0.125)
-    with pytest.raises(RuntimeError, match="scale must be positive"):
+    with pytest.raises((RuntimeError, ValueError), match="scale must be positive"):
         ext.prefill_attention(q, k[:, :4], k[:, :4], 0, -0.125)  # the max would not commute
 
 
@@ -83,9 +85,9 @@ def test_step_attention_routes_bf16_chunks_to_the_kernel(ext, monkeypatch, dtype
     the continuation chunk); both give SDPA's answer through StepAttention (cache write
     included)."""
     calls = []
-    real = kernels.prefill_attention
-    monkeypatch.setattr("alignedserve.executor.attention.prefill_attention",
-                        lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    real = ext.prefill_attention
+    monkeypatch.setattr(ext, "prefill_attention",
+                        lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
     torch.manual_seed(0)
     layers, kv_heads, heads, dim = 2, 3, 9, 64
     segs = [PrefillSegment(torch.zeros(layers, 2, kv_heads, 1200, dim, dtype=dtype),
@@ -96,7 +98,7 @@ def test_step_attention_routes_bf16_chunks_to_the_kernel(ext, monkeypatch, dtype
     q = torch.randn(tokens, heads, dim, dtype=dtype)
     k = torch.randn(tokens, kv_heads, dim, dtype=dtype)
     v = torch.randn(tokens, kv_heads, dim, dtype=dtype)
-    out = StepAttention(segs, [], torch.zeros(0, dtype=torch.int64), 0.125)(1, q, k, v)
+    out = StepAttention(ext, segs, [], torch.zeros(0, dtype=torch.int64), 0.125)(1, q, k, v)
     assert calls == ([40, 400] if dtype == torch.bfloat16 else [])
     offset = 0
     for seg in segs:
@@ -107,3 +109,27 @@ def test_step_attention_routes_bf16_chunks_to_the_kernel(ext, monkeypatch, dtype
         want = reference(q[offset:end], cache_k, cache_v, seg.start, 0.125)
         assert (out[offset:end].float() - want).abs().max().item() < 0.03
         offset = end
+
+
+def test_a_querys_output_does_not_depend_on_its_chunk(ext):
+    """A 1000-token prompt in one chunk, in uneven chunks, and on one thread: bit-identical."""
+    torch.manual_seed(5)
+    heads, kv_heads, dim, n = 9, 3, 64, 1000
+    k = torch.randn(kv_heads, n, dim, dtype=torch.bfloat16) * 2
+    v = torch.randn(kv_heads, n, dim, dtype=torch.bfloat16)
+    q = torch.randn(n, heads, dim, dtype=torch.bfloat16) * 2
+    whole = ext.prefill_attention(q, k, v, 0, 0.125)
+    parts, start = [], 0
+    for size in (300, 1, 450, 249):
+        stop = start + size
+        parts.append(ext.prefill_attention(q[start:stop], k[:, :stop], v[:, :stop], start,
+                                           0.125))
+        start = stop
+    assert torch.equal(torch.cat(parts), whole)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        single = ext.prefill_attention(q, k, v, 0, 0.125)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(single, whole)

@@ -180,7 +180,8 @@ def test_cli_parser_is_lazy_and_has_defaults():
 def test_info_endpoints(server):
     client, _, _ = server
     assert client.get("/health").status_code == 200
-    assert client.get("/version").json()["version"]
+    version = client.get("/version").json()
+    assert version["version"] and version["kernel_path"] == "reference"
     models = client.get("/v1/models").json()
     assert models["object"] == "list" and models["data"][0]["id"] == "fake-model"
     assert client.get("/v1/models/fake-model").json()["max_model_len"] == 256
@@ -374,6 +375,8 @@ def test_metrics(server):
         assert f"alignedserve:{name}" in text, name
     assert 'alignedserve:kv_cache_used_bytes{model_name="fake-model",tier="dev0"}' in text
     assert 'tier="host"' in text
+    assert ('alignedserve:engine_info{kernel_path="reference",model_name="fake-model",'
+            'policy="aligned"} 1.0') in text
     other, _, async_engine = fake_app()  # a second app in one process: separate registries
     assert b"alignedserve:prompt_tokens_total" in other.state.server.metrics.render()
     async_engine.shutdown()

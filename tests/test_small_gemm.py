@@ -1,5 +1,6 @@
-"""The AMX small-batch linear (alignedserve/csrc/small_gemm.cpp): F.linear's result up to one
-bf16 rounding, independent of the batch a row is in, clear errors for bad inputs."""
+"""The AMX small-batch linear (kernels/csrc/small_gemm.cpp): F.linear's result up to one
+bf16 rounding, independent of the batch a row is in, clear errors for bad inputs. Runs on the
+amx path only (skipped, saying why, on CPUs without AMX-BF16)."""
 
 from __future__ import annotations
 
@@ -7,12 +8,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from alignedserve.executor.kernels import amx_linear_kernels
-from alignedserve.model.packed_linear import AMX_MAX_ROWS_LM_HEAD, PackedLinear, pack_linears
+from alignedserve.kernels import kernels_for_path
+from alignedserve.kernels.isa import missing_flags
+from alignedserve.kernels.linear import AMX_MAX_ROWS_LM_HEAD, PackedLinear, pack_linears
 from tests.model_utils import ours_from_hf, tiny_hf_model
 
-kernels = amx_linear_kernels()
-pytestmark = pytest.mark.skipif(kernels is None, reason="no AMX-BF16 kernel on this CPU/build")
+_MISSING = missing_flags("amx")
+pytestmark = pytest.mark.skipif(bool(_MISSING), reason="the amx path needs CPU features this "
+                                f"machine lacks: {', '.join(_MISSING)}")
+amx = None if _MISSING else kernels_for_path("amx")
+kernels = None if amx is None else amx.ext
 
 
 def _case(rows: int, out_features: int, in_features: int, seed: int = 0):
@@ -92,22 +97,22 @@ def test_bad_inputs_raise_value_errors() -> None:
 
 def test_packed_linear_routes_small_batches_to_the_kernel(monkeypatch) -> None:
     x, weight, bias = _case(8, 64, 64)
-    layer = PackedLinear(weight, bias)
+    layer = PackedLinear(weight, bias, amx)
     assert layer.tiles is not None
     calls = []
-    monkeypatch.setattr(layer, "_amx", type("Spy", (), {"amx_linear": lambda self, *a: (
-        calls.append(a[0].shape[0]) or kernels.amx_linear(*a))})())
+    monkeypatch.setattr(layer, "_kernel", lambda *a: (
+        calls.append(a[0].shape[0]) or kernels.amx_linear(*a)))
     layer(x)
-    layer(torch.zeros(layer.amx_max_rows + 1, 64, dtype=torch.bfloat16))
+    layer(torch.zeros(layer.kernel_max_rows + 1, 64, dtype=torch.bfloat16))
     assert calls == [8]
 
 
 def test_odd_shapes_keep_the_onednn_path() -> None:
     _, weight, _ = _case(1, 40, 64)  # 40 output features: not whole 16-column tiles
-    assert PackedLinear(weight, None).tiles is None
+    assert PackedLinear(weight, None, amx).tiles is None
 
 
 def test_the_tied_lm_head_stops_earlier() -> None:
     model = ours_from_hf(tiny_hf_model(tie_word_embeddings=True)).bfloat16()
-    pack_linears(model)
-    assert model.lm_head.amx_max_rows == AMX_MAX_ROWS_LM_HEAD
+    pack_linears(model, amx)
+    assert model.lm_head.kernel_max_rows == AMX_MAX_ROWS_LM_HEAD

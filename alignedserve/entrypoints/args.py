@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from alignedserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from alignedserve.kernels.isa import PATHS
 
 
 def add_engine_args(parser: argparse.ArgumentParser, preallocate_kv: bool = False) -> None:
@@ -20,6 +21,9 @@ def add_engine_args(parser: argparse.ArgumentParser, preallocate_kv: bool = Fals
                         "KV memory and decode-attention traffic, small accuracy cost)")
     g.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     g.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads")
+    g.add_argument("--kernel-path", default=None, choices=list(PATHS),
+                   help="kernel instruction set (default: $ALIGNEDSERVE_ISA, else the best "
+                        "this CPU supports); a lower one tests or measures that path")
     g.add_argument("--policy", default="aligned", choices=["aligned", "fcfs", "static"],
                    help="scheduling policy: aligned (length-aligned cohorts, default), fcfs "
                         "(vLLM-like continuous batching), static (FasterTransformer-like)")
@@ -64,7 +68,7 @@ def add_engine_args(parser: argparse.ArgumentParser, preallocate_kv: bool = Fals
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
-        device=args.device, num_threads=args.num_threads,
+        device=args.device, num_threads=args.num_threads, kernel_path=args.kernel_path,
         policy=args.policy, seed=args.seed, max_model_len=args.max_model_len,
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=args.max_num_batched_tokens,

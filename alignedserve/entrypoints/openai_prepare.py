@@ -42,13 +42,14 @@ class ModelInfo:
     max_model_len: int
     validate: Callable[[list[int], SamplingParams], None]  # raises ValueError
     max_token_chars: int | None  # length of the longest vocabulary entry; None: unknown
+    kernel_path: str  # the engine's kernel instruction-set path (alignedserve.kernels.isa)
 
     @classmethod
     def of(cls, engine: Any) -> ModelInfo:
         """From an ``LLMEngine`` (or anything shaped like one)."""
         vocab = engine.loaded.config.vocab_size
         return cls(engine.tokenizer, vocab, engine.max_model_len, engine.validate_prompt,
-                   _max_token_chars(engine.tokenizer, vocab))
+                   _max_token_chars(engine.tokenizer, vocab), engine.kernels.path)
 
     async def encode(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
         """Token ids of ``text``; 400 for invalid Unicode or a text that cannot fit the context."""

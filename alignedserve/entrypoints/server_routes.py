@@ -55,8 +55,8 @@ async def health(request: Request) -> Response:
     return Response(status_code=200)
 
 
-async def version() -> JSONResponse:
-    return JSONResponse({"version": __version__})
+async def version(request: Request) -> JSONResponse:
+    return JSONResponse({"version": __version__, "kernel_path": _state(request).info.kernel_path})
 
 
 async def list_models(request: Request) -> JSONResponse:

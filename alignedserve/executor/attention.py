@@ -2,8 +2,8 @@
 
 The step's tokens are flattened as: every prefill chunk (in plan order), then every decode
 row. Linear layers run once over all of them; attention runs per prefill chunk (over that
-request's cache, causal: the AMX kernel of ``kernels.prefill_attention`` where it applies,
-torch's SDPA otherwise) and over all decode rows at once (one kernel call that
+request's cache, causal: the path's prefill kernel, ``Kernels.prefill_attention``, where it
+applies, torch's SDPA otherwise) and over all decode rows at once (one kernel call that
 appends each row's new K/V and attends over exactly that row's length: no padding).
 With ``tiled`` caches (``kv_layout``) a chunk is stored by ``write_tiled``, the AMX prefill
 kernel reads the tiled planes itself, and SDPA gets a token-major copy (``kv_layout.read``).
@@ -14,11 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-from alignedserve.executor import kv_layout
-from alignedserve.executor.kernels import (decode_attention, prefill_attention,
-                                           prefill_kernel_applies, write_tiled)
+from alignedserve.kernels import Kernels, kv_layout, reference
 
 
 @dataclass(slots=True)
@@ -28,44 +25,34 @@ class PrefillSegment:
     num_tokens: int
 
 
-def continuation_mask(start: int, num_tokens: int, dtype: torch.dtype,
-                      device: torch.device) -> torch.Tensor | None:
-    """SDPA's causal mask for ``num_tokens`` queries at positions ``start..`` over keys
-    ``0..start+num_tokens-1``: additive (0 / -inf), None when ``start`` is 0 (plain causal).
-    Additive rather than boolean, built once per step: SDPA turns a bool mask into this on
-    every call, which made continuation chunks 17-24% slower per layer (bf16, 1k-token
-    chunk); the outputs are bit-identical."""
-    if start == 0:
-        return None
-    rows = torch.arange(num_tokens).unsqueeze(1) + start
-    cols = torch.arange(start + num_tokens).unsqueeze(0)
-    mask = torch.zeros(rows.shape[0], cols.shape[1], dtype=dtype)
-    return mask.masked_fill_(cols > rows, float("-inf")).to(device)
-
-
 class StepAttention:
     """AttentionBackend (see ``alignedserve.model.llama``) for one step's flattened tokens."""
 
-    def __init__(self, prefills: list[PrefillSegment], decode_caches: list[torch.Tensor],
-                 decode_positions: torch.Tensor, scale: float, tiled: bool = False):
+    def __init__(self, kernels: Kernels, prefills: list[PrefillSegment],
+                 decode_caches: list[torch.Tensor], decode_positions: torch.Tensor, scale: float,
+                 tiled: bool = False):
+        self.kernels = kernels
         self.prefills = prefills
         self.tiled = tiled
         self.decode_caches = decode_caches
         self.decode_positions = decode_positions
         self.scale = scale
-        # Decided at the first layer (q's dtype is known there): whether the AMX kernel takes
-        # the prefill chunks, else SDPA's mask per chunk (None: plain causal).
+        # Decided at the first layer (q's dtype is known there): whether the path's prefill
+        # kernel takes the chunks, else SDPA's mask per chunk (None: plain causal), built once
+        # for all layers.
         self._use_kernel: bool | None = None
         self._masks: list[torch.Tensor | None] = []
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if not self.prefills:  # a decode-only step: the kernel's output is the whole answer
-            return decode_attention(q, k, v, self.decode_caches, self.decode_positions, layer,
-                                    self.scale, self.tiled)
+            return self.kernels.decode_attention(q, k, v, self.decode_caches,
+                                                 self.decode_positions, layer, self.scale,
+                                                 self.tiled)
         if self._use_kernel is None:
-            self._use_kernel = prefill_kernel_applies(q)
+            self._use_kernel = self.kernels.prefill_kernel_applies(q)
             if not self._use_kernel:
-                self._masks = [continuation_mask(s.start, s.num_tokens, q.dtype, s.cache.device)
+                self._masks = [reference.continuation_mask(s.start, s.num_tokens, q.dtype,
+                                                           s.cache.device)
                                for s in self.prefills]
         out = torch.empty_like(q)
         offset = 0
@@ -74,8 +61,9 @@ class StepAttention:
             out[offset:end] = self._prefill(i, layer, q[offset:end], k[offset:end], v[offset:end])
             offset = end
         if self.decode_caches:
-            out[offset:] = decode_attention(q[offset:], k[offset:], v[offset:], self.decode_caches,
-                                            self.decode_positions, layer, self.scale, self.tiled)
+            out[offset:] = self.kernels.decode_attention(
+                q[offset:], k[offset:], v[offset:], self.decode_caches, self.decode_positions,
+                layer, self.scale, self.tiled)
         return out
 
     def _prefill(self, i: int, layer: int, q: torch.Tensor, k: torch.Tensor,
@@ -84,11 +72,11 @@ class StepAttention:
         stop = seg.start + seg.num_tokens
         k_cache, v_cache = seg.cache[layer, 0], seg.cache[layer, 1]  # [kv_heads, cap, dim]
         if self.tiled:
-            write_tiled(seg.cache, layer, k, v, seg.start)
+            self.kernels.write_tiled(seg.cache, layer, k, v, seg.start)
             if self._use_kernel:  # the kernel reads the planes' whole 16-token blocks
                 hi = kv_layout.round_up(stop)
-                return prefill_attention(q, k_cache[:, :hi], v_cache[:, :hi], seg.start,
-                                         self.scale, tiled=True)
+                return self.kernels.prefill_attention(q, k_cache[:, :hi], v_cache[:, :hi],
+                                                      seg.start, self.scale, tiled=True)
             keys = kv_layout.read(k_cache, stop, kv_layout.KEYS)
             values = kv_layout.read(v_cache, stop, kv_layout.VALUES)
         else:
@@ -98,10 +86,5 @@ class StepAttention:
             # prefill and decode see the same K/V values.
             keys, values = k_cache[:, :stop].to(q.dtype), v_cache[:, :stop].to(q.dtype)
             if self._use_kernel:
-                return prefill_attention(q, keys, values, seg.start, self.scale)
-        mask = self._masks[i]
-        o = F.scaled_dot_product_attention(
-            q.transpose(0, 1).unsqueeze(0), keys.unsqueeze(0),
-            values.unsqueeze(0), attn_mask=mask, is_causal=mask is None,
-            scale=self.scale, enable_gqa=True)
-        return o.squeeze(0).transpose(0, 1)
+                return self.kernels.prefill_attention(q, keys, values, seg.start, self.scale)
+        return reference.prefill_attention(q, keys, values, self.scale, self._masks[i])

@@ -47,7 +47,7 @@ class KVPool:
     def __init__(self, tier_devices: dict[str, torch.device], num_layers: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, tiled: bool = False):
         self.tier_devices = tier_devices
-        self.tiled = tiled  # element order inside each plane: alignedserve.executor.kv_layout
+        self.tiled = tiled  # element order inside each plane: alignedserve.kernels.kv_layout
         self.shape = (num_layers, 2, num_kv_heads, head_dim)
         self.dtype = dtype
         self._tensors: dict[KVHandle, torch.Tensor] = {}

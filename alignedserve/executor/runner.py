@@ -7,7 +7,6 @@ import time
 import torch
 
 from alignedserve.executor.attention import PrefillSegment, StepAttention
-from alignedserve.executor.decode_fast_path import DecodeFastPath
 from alignedserve.executor.kv_pool import KVPool
 from alignedserve.model.loader import LoadedModel
 from alignedserve.model.sampler import Sampler, SamplingRow
@@ -23,10 +22,8 @@ class ModelExecutor:
         self.model = loaded.model
         self.pool = pool
         self.device = device
-        self.sampler = Sampler(seed)
-        # Decode-only steps skip the module tree where it would only dispatch to the same
-        # kernels (None where it would not, e.g. float32 or no AMX).
-        self.fast_decode = DecodeFastPath.build(self.model)
+        self.kernels = self.model.kernels
+        self.sampler = Sampler(seed, self.kernels)
         self.scale = loaded.config.head_dim ** -0.5
         self._generators: dict[str, torch.Generator] = {}
 
@@ -64,13 +61,12 @@ class ModelExecutor:
             ids.append(request.output_token_ids[-1])
             samplers.append(request)
         positions += decode_positions
-        attn = StepAttention(segments, [self.pool.get(r.kv) for r in decode],
+        attn = StepAttention(self.kernels, segments, [self.pool.get(r.kv) for r in decode],
                              torch.tensor(decode_positions, dtype=torch.int64), self.scale,
                              self.pool.tiled)
         input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
         pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
-        fast = self.fast_decode is not None and self.fast_decode.applies(len(ids), attn)
-        hidden = (self.fast_decode if fast else self.model)(input_ids, pos, attn)
+        hidden = self.model(input_ids, pos, attn)
         if not samplers:
             return {}
         logits = self.model.compute_logits(hidden[sample_at], widen=False)

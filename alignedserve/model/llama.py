@@ -13,6 +13,12 @@ Call order: construct (or load via ``loader.load_model``), then per engine step
 Weights are stored fused (``qkv_proj`` = [q; k; v] rows, ``gate_up_proj`` = [gate; up]
 rows) so that each block does two GEMMs where Hugging Face does five; `load_weights`
 accepts Hugging Face tensor names and does the fusing.
+
+Every op runs through the model's `Kernels` (``alignedserve.kernels``), chosen when the
+model is built: norms, RoPE, SiLU·up and attention's kernels are its methods, and the linear
+layers are `PackedLinear` modules prepared for it by the loader. There is one forward pass:
+prefill, decode and mixed steps, every path and dtype, all run this code (float32 routes
+every op to the PyTorch reference, so it stays bit-identical to transformers).
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from alignedserve.model import ops
+from alignedserve.kernels import Kernels, kernels_for_path
 from alignedserve.model.config import ModelConfig
 
 
@@ -95,21 +101,23 @@ def rope_table(config: ModelConfig, device: torch.device | str | None = None) ->
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm computed in float32 and cast back before the weight, as HF Llama does.
-
-    The math lives in `ops` (fused bf16 kernels on CPU, plain PyTorch otherwise)."""
+    """RMSNorm computed in float32 and cast back before the weight, as HF Llama does."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: Tensor) -> Tensor:
-        return ops.rms_norm(x, self.weight, self.eps)
+    def forward(self, x: Tensor, k: Kernels) -> Tensor:
+        return k.rms_norm(x, self.weight, self.eps)
 
-    def add_and_norm(self, x: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:
-        """``residual += x`` (maybe in place), then normalise: returns (normed, residual)."""
-        return ops.add_rms_norm(x, residual, self.weight, self.eps)
+    def add_and_norm(self, x: Tensor, residual: Tensor | None,
+                     k: Kernels) -> tuple[Tensor, Tensor]:
+        """``residual += x`` (maybe in place), then normalise: returns (normed, residual).
+        With no residual yet (the first layer) ``x`` starts the stream."""
+        if residual is None:
+            return k.rms_norm(x, self.weight, self.eps), x
+        return k.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class LlamaAttention(nn.Module):
@@ -127,11 +135,12 @@ class LlamaAttention(nn.Module):
         )
         self.o_proj = nn.Linear(config.q_size, config.hidden_size, bias=config.attention_out_bias)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionBackend) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionBackend,
+                k: Kernels) -> Tensor:
         t = x.shape[0]
-        q, k, v = ops.rotary_qkv(self.qkv_proj(x), cos, sin, self.num_heads,
-                                 self.num_kv_heads, self.head_dim)
-        out = attn(self.layer_idx, q, k, v)
+        q, key, value = k.rotary_qkv(self.qkv_proj(x), cos, sin, self.num_heads,
+                                     self.num_kv_heads, self.head_dim)
+        out = attn(self.layer_idx, q, key, value)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
 
@@ -143,8 +152,8 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
-    def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
+    def forward(self, x: Tensor, k: Kernels) -> Tensor:
+        return self.down_proj(k.silu_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -164,14 +173,11 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(config)
 
     def forward(self, x: Tensor, residual: Tensor | None, cos: Tensor, sin: Tensor,
-                attn: AttentionBackend) -> tuple[Tensor, Tensor]:
-        if residual is None:
-            residual, normed = x, self.input_layernorm(x)
-        else:
-            normed, residual = self.input_layernorm.add_and_norm(x, residual)
+                attn: AttentionBackend, k: Kernels) -> tuple[Tensor, Tensor]:
+        normed, residual = self.input_layernorm.add_and_norm(x, residual, k)
         normed, residual = self.post_attention_layernorm.add_and_norm(
-            self.self_attn(normed, cos, sin, attn), residual)
-        return self.mlp(normed), residual
+            self.self_attn(normed, cos, sin, attn, k), residual, k)
+        return self.mlp(normed, k), residual
 
 
 # HF projection name -> (our fused module name, shard name).
@@ -190,14 +196,17 @@ class LlamaForCausalLM(nn.Module):
 
     Invariant: ``rope_cache`` is float32 [max_position_embeddings, head_dim] on the
     parameters' device; every position passed to `forward` must be below
-    ``config.max_position_embeddings``.
+    ``config.max_position_embeddings``. ``kernels`` runs every op (default: the PyTorch
+    reference); linear layers take its compiled kernels once ``kernels.linear.pack_linears``
+    has prepared them (the loader does).
     """
 
     rope_cache: Tensor
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, kernels: Kernels | None = None) -> None:
         super().__init__()
         self.config = config
+        self.kernels = kernels or kernels_for_path("reference")
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, i) for i in range(config.num_layers)
@@ -216,14 +225,13 @@ class LlamaForCausalLM(nn.Module):
                 f"input_ids and positions must both be [T]; got {tuple(input_ids.shape)} "
                 f"and {tuple(positions.shape)}"
             )
+        k = self.kernels
         h = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, h.dtype)
         residual = None
         for layer in self.layers:
-            h, residual = layer(h, residual, cos, sin, attn)
-        if residual is None:  # a model without layers
-            return self.norm(h)
-        return self.norm.add_and_norm(h, residual)[0]
+            h, residual = layer(h, residual, cos, sin, attn, k)
+        return self.norm.add_and_norm(h, residual, k)[0]
 
     def rotary(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """cos, sin [T, head_dim / 2] in ``dtype`` for ``positions``: one gather per step, which

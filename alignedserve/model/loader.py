@@ -26,7 +26,8 @@ from alignedserve.model.config import ModelConfig
 from alignedserve.model.default_model import cache_dir, default_model_path
 from alignedserve.model.llama import LlamaForCausalLM
 from alignedserve.huge_pages import move_to_huge_pages
-from alignedserve.model.packed_linear import pack_linears
+from alignedserve.kernels import Kernels, kernels_for_path, select_kernels
+from alignedserve.kernels.linear import pack_linears
 
 # Chat-turn terminators that should stop generation even when the tokenizer's eos is
 # something else; only honoured if the tokenizer has them as added (special) tokens.
@@ -66,14 +67,19 @@ def load_model(
     model: str | os.PathLike[str] | None,
     dtype: torch.dtype = torch.bfloat16,
     device: str = "cpu",
+    kernels: Kernels | None = None,
 ) -> LoadedModel:
     """Load from a HF directory (config.json + *.safetensors), a ``.gguf`` file, or
-    None for the default model. Weights are converted to ``dtype`` on ``device``."""
+    None for the default model. Weights are converted to ``dtype`` on ``device``; the model
+    runs on ``kernels`` (default: ``select_kernels()`` on CPU, the reference elsewhere)."""
     path = default_model_path() if model is None else Path(model).expanduser()
+    if kernels is None:
+        kernels = select_kernels() if torch.device(device).type == "cpu" else (
+            kernels_for_path("reference"))
     if path.is_file() and path.suffix == ".gguf":
-        return _load_gguf(path, dtype, device)
+        return _load_gguf(path, dtype, device, kernels)
     if path.is_dir() and (path / "config.json").is_file():
-        return _load_hf_dir(path, dtype, device)
+        return _load_hf_dir(path, dtype, device, kernels)
     if path.is_dir() and any(path.glob("*.gguf")):
         raise ValueError(f"{path} has no config.json; pass the .gguf file itself instead")
     raise FileNotFoundError(
@@ -82,14 +88,16 @@ def load_model(
 
 
 def _build_model(
-    config: ModelConfig, weights: Iterable[tuple[str, Tensor]], dtype: torch.dtype, device: str
+    config: ModelConfig, weights: Iterable[tuple[str, Tensor]], dtype: torch.dtype, device: str,
+    kernels: Kernels,
 ) -> LlamaForCausalLM:
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     model = model.to(dtype=dtype).to_empty(device=device)
     model.load_weights(weights)
     model.eval().requires_grad_(False)
-    pack_linears(model)  # bf16 on CPU only; see packed_linear.py
+    model.kernels = kernels
+    pack_linears(model, kernels)  # bf16 on CPU only; see kernels/linear.py
     if device == "cpu":
         move_to_huge_pages(model)  # weights stream from DRAM every step; see huge_pages.py
     return model
@@ -98,12 +106,12 @@ def _build_model(
 # ----------------------------------------------------------------- Hugging Face dirs
 
 
-def _load_hf_dir(path: Path, dtype: torch.dtype, device: str) -> LoadedModel:
+def _load_hf_dir(path: Path, dtype: torch.dtype, device: str, kernels: Kernels) -> LoadedModel:
     from transformers import AutoTokenizer
 
     hf_config = json.loads((path / "config.json").read_text())
     config = ModelConfig.from_hf_config(hf_config)
-    model = _build_model(config, _safetensors_weights(path), dtype, device)
+    model = _build_model(config, _safetensors_weights(path), dtype, device, kernels)
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     gen_path = path / "generation_config.json"
     gen_config = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
@@ -146,12 +154,12 @@ def _eos_token_ids(tokenizer: Any, *candidates: int | list[int] | None) -> froze
 # ----------------------------------------------------------------------------- GGUF
 
 
-def _load_gguf(path: Path, dtype: torch.dtype, device: str) -> LoadedModel:
+def _load_gguf(path: Path, dtype: torch.dtype, device: str, kernels: Kernels) -> LoadedModel:
     import gguf
 
     reader = gguf.GGUFReader(str(path))
     config = _gguf_config(reader)
-    model = _build_model(config, _gguf_weights(reader, config), dtype, device)
+    model = _build_model(config, _gguf_weights(reader, config), dtype, device, kernels)
     tokenizer = _gguf_tokenizer(path)
     extra = [_field(reader, f"tokenizer.ggml.{k}_token_id", None) for k in ("eos", "eot", "eom")]
     eos = _eos_token_ids(tokenizer, *extra)

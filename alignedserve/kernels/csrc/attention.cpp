@@ -1197,38 +1197,18 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_new,
   return bf16_out || q.scalar_type() == at::kFloat ? out : out.to(q.scalar_type());
 }
 
-// Which instruction path this build contains, for logs and tests.
-std::string compiled_path() {
-#if defined(__AVX512F__)
-  return "avx512";
-#else
-  return "portable";
-#endif
-}
-
 }  // namespace
 
-void register_fused(pybind11::module_& m);    // fused.cpp: the bf16 elementwise kernels
-void register_prefill(pybind11::module_& m);  // prefill_attention.cpp: AMX prefill attention
-void register_small_gemm(pybind11::module_& m);  // small_gemm.cpp: AMX small-batch linear
-
-}  // namespace alignedserve
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("decode_attention", &alignedserve::decode_attention,
+void register_attention(pybind11::module_& m) {
+  m.def("decode_attention", &decode_attention,
         "Write the new K/V of every row into its cache, then attend q over positions 0..pos.",
         pybind11::arg("q"), pybind11::arg("k_new"), pybind11::arg("v_new"),
         pybind11::arg("caches"), pybind11::arg("positions"), pybind11::arg("layer"),
         pybind11::arg("scale"), pybind11::arg("tiled") = false);
-  m.def("write_tiled", &alignedserve::write_tiled,
+  m.def("write_tiled", &write_tiled,
         "Store k, v [T, kv_heads, head_dim] at positions start.. of a tiled bf16 cache's layer.",
         pybind11::arg("cache"), pybind11::arg("layer"), pybind11::arg("k"), pybind11::arg("v"),
         pybind11::arg("start"));
-  m.def("tiled_kv_available", &alignedserve::amx::available,
-        "True when decode_attention takes tiled bf16 caches (AMX-BF16 built and granted).");
-  m.def("compiled_path", &alignedserve::compiled_path,
-        "'avx512' or 'portable': the instruction path compiled in.");
-  alignedserve::register_fused(m);
-  alignedserve::register_prefill(m);
-  alignedserve::register_small_gemm(m);
 }
+
+}  // namespace alignedserve

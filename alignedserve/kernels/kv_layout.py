@@ -8,7 +8,7 @@ plane changes, and only within small token blocks:
 * **V** (index 1): pairs of tokens, each stored ``[head_dim][2 tokens]``.
 
 These are the "B" operands of AMX's bf16 tile product (pairs of the summed dimension side by
-side), so the decode kernel (``alignedserve/csrc/attention.cpp``) streams K blocks and V
+side), so the decode kernel (``alignedserve/kernels/csrc/attention.cpp``) streams K blocks and V
 pairs from the cache straight into tiles: one score tile is 16 tokens of a head, with no
 reshuffling per step. Whole blocks stay where the token-major layout has them, so slicing a
 plane by multiples of 16 tokens (growing a cache, copying it between tiers) works unchanged.

@@ -1,0 +1,103 @@
+"""Build (once per machine) and load the compiled kernels for one instruction-set path.
+
+Every path except ``reference`` is one build of the same sources (``csrc/``) for a fixed
+target, so a machine can hold and run the builds of every path its CPU supports (the tests
+run them all side by side). Each source guards its code with the compiler's feature macros
+(``__AVX512BF16__``, AMX's in ``amx.h``), so a build contains exactly the kernels its target
+can run, and reports which in ``compiled_path()``.
+
+Builds go to ``$ALIGNEDSERVE_CACHE/torch_extensions`` (default ``~/.cache/alignedserve``),
+one directory per path, torch build and interpreter, and are memoised per process; a failed
+build is logged once and the caller falls back to a lower path.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+log = logging.getLogger(__name__)
+
+CSRC = Path(__file__).resolve().parent / "csrc"
+SOURCES = ("module.cpp", "attention.cpp", "fused.cpp", "prefill_attention.cpp", "small_gemm.cpp")
+_AVX512 = ["-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni"]
+# The compiler target of each path; isa._REQUIRED_FLAGS lists the CPU flags they imply.
+TARGET_FLAGS = {
+    "amx": _AVX512 + ["-mamx-tile", "-mamx-bf16"],
+    "avx512_bf16": _AVX512,
+    "avx2": ["-march=x86-64-v3"],
+}
+
+
+def cache_root() -> Path:
+    """Root of AlignedServe's per-machine cache (``$ALIGNEDSERVE_CACHE`` or ~/.cache/...)."""
+    return Path(os.environ.get("ALIGNEDSERVE_CACHE", Path.home() / ".cache" / "alignedserve"))
+
+
+def _build_tag(path: str) -> str:
+    """Short hash of what a build depends on beyond its sources: the extension's ABI follows
+    the torch build and the interpreter, and -mtune=native the CPU model, so each names its
+    own directory (torch's own rebuild check hashes only sources and flags)."""
+    model = ""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            model = next((line for line in f if line.startswith("model name")), "")
+    except OSError:
+        pass
+    key = f"{path}|{torch.__version__}|{sys.version}|{sys.prefix}|{model}"
+    return hashlib.sha256(key.encode()).hexdigest()[:12]
+
+
+def _ensure_ninja_on_path() -> None:
+    """Make torch use the ``ninja`` that pip installed next to this interpreter, if any.
+
+    torch looks ninja up on PATH only, and a venv's console scripts run without the venv's bin
+    dir on PATH: without it a build fails where no other ninja exists, and where one does the
+    two versions hash commands differently in the build dir's .ninja_log, so each one sees the
+    other's build as stale and rebuilds. Side effect: that one directory goes first on PATH.
+    """
+    bin_dir = Path(sys.executable).parent
+    own = bin_dir / "ninja"
+    if own.exists() and Path(shutil.which("ninja") or "") != own:
+        os.environ["PATH"] = f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"
+
+
+def build_flags(path: str) -> list[str]:
+    """Compiler flags of ``path``'s build."""
+    return ["-O3", *TARGET_FLAGS[path], "-mtune=native", "-fopenmp"]
+
+
+@functools.lru_cache(maxsize=None)
+def load_extension(path: str) -> ModuleType | None:
+    """The compiled kernels of ``path`` (built the first time on this machine), or None if the
+    build or import fails. Memoised per path; concurrent processes are serialised by torch's
+    lock file in the build directory. Call only for paths the CPU supports (isa.cpu_paths):
+    importing a build for a richer CPU may fault."""
+    from torch.utils import cpp_extension
+
+    name = f"alignedserve_kernels_{path}"
+    build_dir = cache_root() / "torch_extensions" / f"{name}-{_build_tag(path)}"
+    start = time.perf_counter()
+    try:
+        _ensure_ninja_on_path()
+        build_dir.mkdir(parents=True, exist_ok=True)
+        module = cpp_extension.load(
+            name=name, sources=[str(CSRC / s) for s in SOURCES],
+            extra_cflags=build_flags(path), extra_ldflags=["-fopenmp"],
+            extra_include_paths=[str(CSRC)], build_directory=str(build_dir), verbose=False)
+    except Exception as exc:  # any build/import failure must degrade, not crash the engine
+        # The compiler output sits inside the message; cap it so the log stays readable.
+        log.warning("compiled kernels for %s unavailable: %s", path, str(exc)[-4000:])
+        return None
+    log.info("compiled kernels (%s) ready in %.1f s: %s", path, time.perf_counter() - start,
+             build_dir)
+    return module

@@ -1,0 +1,44 @@
+// The Python module of one kernel build: every source registers its functions here, plus what
+// the build is (compiled_path) so the Python side can check it loaded what it asked for.
+
+#include <torch/csrc/utils/pybind.h>
+
+#include <string>
+
+#include "amx.h"  // defines ALIGNEDSERVE_AMX where the build targets AMX-BF16
+
+namespace alignedserve {
+
+void register_attention(pybind11::module_& m);   // attention.cpp: decode attention
+void register_fused(pybind11::module_& m);       // fused.cpp: bf16 elementwise ops, argmax
+void register_prefill(pybind11::module_& m);     // prefill_attention.cpp: AMX prefill attention
+void register_small_gemm(pybind11::module_& m);  // small_gemm.cpp: AMX small-batch linear
+
+namespace {
+
+// The instruction set this build targets, named as alignedserve/kernels/isa.py names paths.
+std::string compiled_path() {
+#if defined(ALIGNEDSERVE_AMX)
+  return "amx";
+#elif defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+  return "avx512_bf16";
+#elif defined(__AVX2__) && defined(__FMA__)
+  return "avx2";
+#else
+  return "portable";
+#endif
+}
+
+}  // namespace
+}  // namespace alignedserve
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("compiled_path", &alignedserve::compiled_path,
+        "The instruction set this build targets: amx, avx512_bf16, avx2 or portable.");
+  m.def("amx_available", &alignedserve::amx::available,
+        "True when this build has the AMX-BF16 kernels and the OS granted tile state.");
+  alignedserve::register_attention(m);
+  alignedserve::register_fused(m);
+  alignedserve::register_prefill(m);
+  alignedserve::register_small_gemm(m);
+}

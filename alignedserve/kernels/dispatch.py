@@ -1,0 +1,264 @@
+"""`Kernels`: every op of the forward pass on one instruction-set path, chosen once.
+
+An engine, a model and a sampler hold one `Kernels` (``select_kernels()`` at start-up); ops
+are its methods. Each op takes the compiled kernel of the path where the kernel applies —
+bfloat16 tensors on CPU in the layout it indexes — and the PyTorch reference
+(``reference.py``) everywhere else: float32 (bit-identical to transformers), other devices,
+the ``reference`` path, tensors that want autograd. Routing checks are O(1) per call.
+
+What each path runs (see ``isa.py`` for the paths):
+
+========================  ==========================  ==============  =============
+op                        amx                         avx512_bf16     avx2
+========================  ==========================  ==============  =============
+linears (``linear.py``)   AMX tiles, oneDNN above     AVX512-BF16     oneDNN
+                          1024 rows (LM head: 128)    (any rows)      (prepacked)
+prefill attention         AMX                         AVX512-BF16     SDPA
+decode attention          AMX over tiled bf16 caches, AVX-512 FMA     AVX2 (portable)
+                          AVX-512 FMA otherwise
+norms, RoPE, SiLU·up,     AVX-512                     AVX-512         AVX2 (portable)
+argmax
+========================  ==========================  ==============  =============
+
+The in-place ops differ by implementation in what happens to their inputs: the compiled
+``add_rms_norm`` writes the sum into ``residual`` and ``rotary_qkv`` rotates ``qkv`` in place
+(returning views of it), while the references leave their inputs alone. Callers use the
+returned tensors and rely on the inputs being neither updated nor preserved.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from types import ModuleType
+
+import torch
+from torch import Tensor
+
+from alignedserve.kernels import isa, reference
+from alignedserve.kernels.build import load_extension
+from alignedserve.kernels.kv_layout import CAPACITY_MULTIPLE
+
+log = logging.getLogger(__name__)
+
+_DECODE_DTYPES = (torch.bfloat16, torch.float32, torch.float8_e5m2)
+_MAX_HEAD_DIM = 256
+_BF16 = torch.bfloat16
+
+
+def _rows(t: Tensor) -> bool:
+    """2-d with a unit-stride last dim: the layout the elementwise kernels index directly."""
+    return t.dim() == 2 and t.stride(1) == 1
+
+
+def _disjoint_rows(t: Tensor) -> bool:
+    """Rows that do not overlap in memory (required where a kernel writes in place)."""
+    return t.shape[0] <= 1 or t.stride(0) >= t.shape[1]
+
+
+def _wants_grad(*tensors: Tensor) -> bool:
+    """True when autograd must see the op (the compiled kernels have no backward)."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+class Kernels:
+    """The ops of one path (``path``) over its compiled build (``ext``; None: reference).
+
+    Invariant: ``ext`` is a build whose ``compiled_path()`` is ``path``, loaded only on a CPU
+    that supports ``path``; ``amx`` is True only where that build has the AMX kernels and the
+    OS granted tile state. Instances are immutable and shared (``kernels_for_path``).
+    """
+
+    def __init__(self, path: str, ext: ModuleType | None) -> None:
+        self.path = path
+        self.ext = ext
+        self.amx = ext is not None and path == "amx" and bool(ext.amx_available())
+        self.avx512_bf16 = ext is not None and path == "avx512_bf16"
+        # TODO(integration): the AVX512-BF16 linear and prefill kernels land separately.
+        self.avx512_linear = self.avx512_bf16 and hasattr(ext, "linear_avx512")
+        self.avx512_prefill = self.avx512_bf16 and hasattr(ext, "prefill_attention_avx512")
+
+    def __repr__(self) -> str:
+        return f"Kernels({self.path!r})"
+
+    # ------------------------------------------------------------ elementwise and sampling
+
+    def _fused(self, *tensors: Tensor) -> ModuleType | None:
+        """The build, if the elementwise kernels may take these tensors (bf16 on CPU)."""
+        if self.ext is None:
+            return None
+        for t in tensors:
+            if t.dtype is not _BF16 or not t.is_cpu:
+                return None
+        return None if _wants_grad(*tensors) else self.ext
+
+    def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
+        """RMSNorm of x [T, H] (``reference.rms_norm``); a new tensor, x unchanged."""
+        ext = self._fused(x, weight)
+        if ext is not None and _rows(x) and weight.dim() == 1 and weight.is_contiguous():
+            return ext.rms_norm(x, weight, eps)
+        return reference.rms_norm(x, weight, eps)
+
+    def add_rms_norm(self, x: Tensor, residual: Tensor, weight: Tensor,
+                     eps: float) -> tuple[Tensor, Tensor]:
+        """``residual + x`` and its RMSNorm: (normed, residual). The compiled path writes the
+        sum into ``residual`` and returns it; use the returned residual either way."""
+        ext = self._fused(x, residual, weight)
+        if (ext is not None and _rows(x) and _rows(residual) and _disjoint_rows(residual)
+                and weight.dim() == 1 and weight.is_contiguous()):
+            return ext.add_rms_norm(x, residual, weight, eps), residual
+        return reference.add_rms_norm(x, residual, weight, eps)
+
+    def rotary_qkv(self, qkv: Tensor, cos: Tensor, sin: Tensor, num_heads: int,
+                   num_kv_heads: int, head_dim: int) -> tuple[Tensor, Tensor, Tensor]:
+        """Split fused qkv into q, k, v with RoPE on q and k (``reference.rotary_qkv``);
+        cos, sin: [T, D/2] or [T, 1, D/2]. The compiled path rotates ``qkv`` in place and
+        returns views of it."""
+        if cos.dim() == 3:
+            cos, sin = cos.squeeze(1), sin.squeeze(1)
+        ext = self._fused(qkv, cos, sin)
+        if ext is not None and _rows(qkv) and _disjoint_rows(qkv) and _rows(cos) and _rows(sin):
+            ext.rotary_qkv_(qkv, cos, sin, num_heads, num_kv_heads, head_dim)
+            t = qkv.shape[0]
+            q, k, v = qkv.split((num_heads * head_dim, num_kv_heads * head_dim,
+                                 num_kv_heads * head_dim), dim=-1)
+            return (q.view(t, num_heads, head_dim), k.view(t, num_kv_heads, head_dim),
+                    v.view(t, num_kv_heads, head_dim))
+        return reference.rotary_qkv(qkv, cos, sin, num_heads, num_kv_heads, head_dim)
+
+    def silu_mul(self, gate_up: Tensor) -> Tensor:
+        """SwiGLU activation ``silu(gate) * up`` of gate_up [T, 2 I] = [gate | up]."""
+        ext = self._fused(gate_up)
+        if ext is not None and _rows(gate_up):
+            return ext.silu_mul(gate_up)
+        return reference.silu_mul(gate_up)
+
+    def argmax_rows(self, logits: Tensor) -> list[int]:
+        """Each row's first largest index (a row holding NaN: torch's max decides)."""
+        ext = self._fused(logits)
+        if ext is None or logits.dim() != 2 or logits.stride(-1) != 1:
+            return reference.argmax_rows(logits)
+        tokens = ext.argmax_rows(logits).tolist()
+        for i, token in enumerate(tokens):
+            if token < 0:  # the kernel's NaN signal
+                tokens[i] = int(logits[i].max(dim=-1).indices)
+        return tokens
+
+    # ------------------------------------------------------------------------ attention
+
+    def decode_kernel_rejects(self, head_dim: int, device_type: str,
+                              caches: list[Tensor]) -> str | None:
+        """Why the compiled decode kernel cannot take a call (None: it can). O(1): only
+        properties that route a whole call are screened; row-level problems (a row of
+        another dtype, a position past capacity) raise ValueError in the kernel."""
+        if self.ext is None:
+            return f"the {self.path} path has no compiled kernels"
+        if head_dim % 16 or not 0 < head_dim <= _MAX_HEAD_DIM:
+            return f"head_dim {head_dim} is not a multiple of 16 up to {_MAX_HEAD_DIM}"
+        if device_type != "cpu":
+            return f"inputs on {device_type}"
+        if caches and caches[0].dtype not in _DECODE_DTYPES:
+            return f"cache dtype {caches[0].dtype}"
+        return None
+
+    def decode_attention(self, q: Tensor, k_new: Tensor, v_new: Tensor, caches: list[Tensor],
+                         positions: Tensor, layer: int, scale: float,
+                         tiled: bool = False) -> Tensor:
+        """Append each row's new K/V at ``positions[b]`` and attend over ``0..positions[b]``
+        (exact semantics: ``reference.decode_attention``)."""
+        reason = self.decode_kernel_rejects(q.shape[-1], q.device.type, caches)
+        if reason is None:
+            return self.ext.decode_attention(q, k_new, v_new, caches, positions, layer, scale,
+                                             tiled)
+        if self.ext is not None:
+            _warn_once(f"decode-attention kernel skipped ({reason}); using the reference")
+        return reference.decode_attention(q, k_new, v_new, caches, positions, layer, scale,
+                                          tiled)
+
+    def tiled_kv_applies(self, dtype: torch.dtype, head_dim: int, granularity: int,
+                         device: torch.device) -> bool:
+        """Whether KV caches of this kind use ``kv_layout``'s tiled layout: the AMX path,
+        bf16 on CPU, head_dim 64, capacities in multiples of 16."""
+        return (self.amx and dtype == _BF16 and head_dim == 64 and device.type == "cpu"
+                and granularity % CAPACITY_MULTIPLE == 0)
+
+    def prefill_kernel_applies(self, q: Tensor) -> bool:
+        """Whether `prefill_attention` takes chunks with queries like ``q`` (bf16 on CPU,
+        head_dim % 32 == 0, on a path with a prefill kernel); else the caller uses
+        ``reference.prefill_attention`` (SDPA)."""
+        dim = q.shape[-1]
+        return ((self.amx or self.avx512_prefill) and q.dtype == _BF16 and q.is_cpu
+                and dim % 32 == 0 and dim <= _MAX_HEAD_DIM)
+
+    def prefill_attention(self, q: Tensor, keys: Tensor, values: Tensor, start: int,
+                          scale: float, tiled: bool = False) -> Tensor:
+        """Causal attention of queries q [T, H, D] at positions start.. over keys / values
+        [KVH, start + T, D] (token-major), or a tiled cache's K and V planes (``tiled``,
+        AMX only); SDPA's semantics with a bottom-right causal mask and GQA. Call only where
+        `prefill_kernel_applies`."""
+        if self.amx:
+            return self.ext.prefill_attention(q, keys, values, start, scale, tiled)
+        return self.ext.prefill_attention_avx512(q, keys, values, start, scale)
+
+    def write_tiled(self, cache: Tensor, layer: int, k: Tensor, v: Tensor, start: int) -> None:
+        """Store k, v [T, KVH, D] at positions start.. of a tiled cache's layer ``layer``."""
+        if self.ext is not None:
+            self.ext.write_tiled(cache, layer, k, v, start)
+        else:
+            reference.write_tiled(cache, layer, k, v, start)
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_once(message: str) -> None:
+    """Log each distinct fallback reason once per process (the cache is the 'seen' set)."""
+    log.warning(message)
+
+
+@functools.lru_cache(maxsize=None)
+def kernels_for_path(path: str) -> Kernels:
+    """The `Kernels` of ``path`` (built on first use). Raises ValueError for an unknown path
+    or one this CPU lacks, RuntimeError when its build fails or (AMX) the OS refuses tile
+    state; `select_kernels` turns those into a fallback."""
+    isa.check_path(path)
+    if path == "reference":
+        return Kernels(path, None)
+    ext = load_extension(path)
+    if ext is None:
+        raise RuntimeError(f"the {path} kernels did not build (see the log above)")
+    if ext.compiled_path() != path:
+        raise RuntimeError(f"the {path} build targets {ext.compiled_path()}")
+    kernels = Kernels(path, ext)
+    if path == "amx" and not kernels.amx:
+        raise RuntimeError("the OS did not grant AMX tile state")
+    return kernels
+
+
+def select_kernels(path: str | None = None) -> Kernels:
+    """The kernels to run: ``path`` if given, else ``ALIGNEDSERVE_ISA``, else the best path
+    this CPU supports. A path that cannot run here (build failed, AMX not granted) falls to
+    the next lower one with a warning; naming a path the CPU lacks is a ValueError.
+
+    Forcing a lower path than the CPU's best also caps oneDNN (torch's bf16 GEMMs, used where
+    our kernels do not apply) at the same instruction set through ``ONEDNN_MAX_CPU_ISA``,
+    unless that is set already; oneDNN reads it once, at its first GEMM in the process.
+    """
+    wanted = path or isa.requested_path()
+    if wanted is not None:
+        isa.check_path(wanted)
+        if wanted != isa.cpu_paths()[0]:
+            _cap_onednn(wanted)
+    candidates = isa.cpu_paths()[isa.cpu_paths().index(wanted):] if wanted else isa.cpu_paths()
+    for candidate in candidates:
+        try:
+            return kernels_for_path(candidate)
+        except RuntimeError as exc:
+            log.warning("kernel path %s unavailable (%s); trying the next one", candidate, exc)
+    raise AssertionError("the reference path cannot fail")
+
+
+def _cap_onednn(path: str) -> None:
+    ceiling = isa.ONEDNN_CEILING.get(path)
+    if ceiling and "ONEDNN_MAX_CPU_ISA" not in os.environ:
+        os.environ["ONEDNN_MAX_CPU_ISA"] = ceiling
+        log.info("kernel path %s forced: ONEDNN_MAX_CPU_ISA=%s", path, ceiling)

@@ -1,0 +1,86 @@
+"""Which instruction-set path the kernels run: detected once, overridable for testing.
+
+A *path* names one build of the compiled kernels and the rules for what runs where:
+
+* ``amx`` — Intel AMX-BF16 tiles (Sapphire Rapids and later): tile-based small-batch linears,
+  prefill attention, and decode attention over tiled bf16 caches;
+* ``avx512_bf16`` — AVX-512 with ``vdpbf16ps`` (AMD Zen 4/5, Intel Cooper Lake and the AMX
+  parts): AVX-512 linears, prefill and decode attention, fused elementwise ops;
+* ``avx2`` — AVX2 + FMA (any x86-64 server of the last decade): the portable kernels compiled
+  for AVX2, oneDNN/PyTorch linears and SDPA prefill;
+* ``reference`` — PyTorch only, no compiled code (any CPU, and every non-CPU device).
+
+``PATHS`` lists them best first; a CPU supports a path and every path after it. The path in
+use is the best one the CPU supports, or the one ``ALIGNEDSERVE_ISA`` names (a lower one, to
+test or benchmark it on a machine that has a higher one; naming one the CPU lacks is an
+error, since its code would fault). ``ALIGNEDSERVE_NO_KERNELS=1`` is kept as a synonym of
+``ALIGNEDSERVE_ISA=reference``.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import platform
+
+PATHS = ("amx", "avx512_bf16", "avx2", "reference")
+ENV_VAR = "ALIGNEDSERVE_ISA"
+
+# /proc/cpuinfo flags each compiled path's code may execute: the features of its -march
+# target (build.py), which the kernels or the compiler's code generation may use.
+_AVX2 = ("avx2", "fma", "f16c", "bmi1", "bmi2", "movbe")
+_AVX512 = _AVX2 + ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd", "avx512_bf16",
+                   "avx512_vnni")
+_REQUIRED_FLAGS = {"amx": _AVX512 + ("amx_tile", "amx_bf16"), "avx512_bf16": _AVX512,
+                   "avx2": _AVX2}
+
+# oneDNN (torch's bf16 GEMMs) takes its own ceiling from ONEDNN_MAX_CPU_ISA; forcing one of
+# our paths sets the matching ceiling so both libraries run the same instruction set.
+ONEDNN_CEILING = {"avx512_bf16": "AVX512_CORE_BF16", "avx2": "AVX2"}
+
+
+def _cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            line = next((ln for ln in f if ln.startswith("flags")), "")
+    except OSError:
+        return frozenset()
+    return frozenset(line.partition(":")[2].split())
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_paths() -> tuple[str, ...]:
+    """The paths this CPU can execute, best first (always ends with ``reference``)."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return ("reference",)
+    flags = _cpu_flags()
+    return tuple(p for p in PATHS if all(f in flags for f in _REQUIRED_FLAGS.get(p, ())))
+
+
+def missing_flags(path: str) -> tuple[str, ...]:
+    """CPU flags ``path`` needs that this CPU lacks (for skip reasons and errors)."""
+    if platform.machine().lower() not in ("x86_64", "amd64") and path != "reference":
+        return (f"an x86-64 CPU (this is {platform.machine()})",)
+    flags = _cpu_flags()
+    return tuple(f for f in _REQUIRED_FLAGS.get(path, ()) if f not in flags)
+
+
+def requested_path() -> str | None:
+    """The path the environment asks for, validated, or None (use the best)."""
+    name = os.environ.get(ENV_VAR, "").strip().lower()
+    if not name and os.environ.get("ALIGNEDSERVE_NO_KERNELS", "") == "1":
+        return "reference"
+    if not name or name == "auto":
+        return None
+    check_path(name)
+    return name
+
+
+def check_path(name: str) -> None:
+    """Raise ValueError unless ``name`` is a known path this CPU can execute."""
+    if name not in PATHS:
+        raise ValueError(f"unknown kernel path {name!r}; choose one of {', '.join(PATHS)}")
+    if name not in cpu_paths():
+        raise ValueError(f"kernel path {name!r} needs CPU features this machine lacks: "
+                         f"{', '.join(missing_flags(name))}")

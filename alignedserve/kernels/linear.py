@@ -1,0 +1,114 @@
+"""Linear layers with weights prepared once for the kernel path: ``PackedLinear``.
+
+``F.linear`` on a bf16 CPU tensor asks oneDNN for a matmul and lets it reorder the weight into
+its blocked layout on every call; at decode shapes (tens of rows) that reorder is a large
+share of the call. A `PackedLinear` keeps the weight in the layout of the kernel that takes
+each batch size on its path (``Kernels.path``):
+
+* ``amx``: AMX tiles (``csrc/small_gemm.cpp``) up to ``AMX_MAX_ROWS`` rows
+  (``AMX_MAX_ROWS_LM_HEAD`` for the 49k-wide LM head, where oneDNN catches up sooner), then
+  oneDNN's prepacked call up to ``PACKED_MAX_ROWS``, then plain ``F.linear``;
+* ``avx512_bf16``: the AVX512-BF16 kernel (``csrc/linear_avx512.cpp``) at every row count;
+* ``avx2``: oneDNN prepacked up to ``PACKED_MAX_ROWS`` rows, plain ``F.linear`` above;
+* ``reference``, float32 weights, other devices: plain ``F.linear`` (float32 must stay
+  bit-identical to transformers).
+
+The AMX and AVX512-BF16 kernels compute every output element as the same sequence of
+products and sums whatever the batch, so a row's result does not depend on the rows beside
+it; oneDNN's blocking, and so its rounding, changes with the row count.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from alignedserve.kernels.dispatch import Kernels
+
+log = logging.getLogger(__name__)
+
+PACKED_MAX_ROWS = 256  # oneDNN: above this many rows the plain call is as fast
+AMX_MAX_ROWS = 1024  # AMX tiles win up to here on the layers' shapes
+AMX_MAX_ROWS_LM_HEAD = 128  # ... and up to here on the LM head
+_PACK_HINT_ROWS = 64  # oneDNN picks its blocking for this batch size
+
+
+def onednn_packing_supported(weight: Tensor) -> bool:
+    """True when oneDNN can prepack ``weight``: bf16 on CPU, with oneDNN bf16 in this torch."""
+    return (weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
+            and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+class PackedLinear(nn.Module):
+    """``y = x @ weight.T + bias`` for 2-D ``x`` through the kernel ``kernels`` picks per
+    batch size (see the module docstring); N-D ``x`` takes ``F.linear``.
+
+    Invariant: ``tiles`` (the path's own kernel layout: AMX tiles or AVX512-BF16 blocks) and
+    ``packed`` (oneDNN's) are ``weight`` reordered, each None where no batch size uses it, and
+    never go stale: weights are frozen after loading. ``weight`` may be shared with another
+    module (a tied LM head reads the embedding matrix).
+    """
+
+    def __init__(self, weight: Tensor, bias: Tensor | None, kernels: Kernels,
+                 lm_head: bool = False) -> None:
+        super().__init__()
+        self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight, False)
+        self.bias = bias
+        self.kernel_max_rows = 0  # rows up to which the path's own kernel runs
+        self._kernel = None
+        tiles = None
+        ext = kernels.ext
+        out_features, in_features = weight.shape
+        if kernels.amx and out_features % 16 == 0 and in_features % 32 == 0:
+            self._kernel = ext.amx_linear
+            tiles = ext.pack_weight(weight.detach())
+            self.kernel_max_rows = AMX_MAX_ROWS_LM_HEAD if lm_head else AMX_MAX_ROWS
+        elif kernels.avx512_linear and weight.dtype == torch.bfloat16 and weight.is_cpu:
+            self._kernel = ext.linear_avx512
+            tiles = ext.pack_weight_avx512(weight.detach())
+            self.kernel_max_rows = 1 << 62
+        self.register_buffer("tiles", tiles, persistent=False)
+        self.packed_max_rows = PACKED_MAX_ROWS if self.kernel_max_rows < PACKED_MAX_ROWS else 0
+        self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(
+            weight.detach(), _PACK_HINT_ROWS) if self.packed_max_rows else None,
+            persistent=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.dim() == 2:
+            rows = x.shape[0]
+            if rows <= self.kernel_max_rows and x.stride(1) == 1:
+                return self._kernel(x, self.tiles, self.bias)
+            if rows <= self.packed_max_rows:
+                return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none",
+                                                          [], "")
+        return F.linear(x, self.weight, self.bias)
+
+
+def pack_linears(model: nn.Module, kernels: Kernels) -> int:
+    """Replace every bf16 CPU ``nn.Linear`` in ``model`` by a `PackedLinear` for ``kernels``;
+    return how many (0 on the reference path and for other dtypes or devices).
+
+    A model with a tied LM head (``lm_head is None``) gets a packed head that shares the
+    embedding matrix, so ``compute_logits`` takes the fast path too.
+    """
+    targets = [(name, mod) for name, mod in model.named_modules() if isinstance(mod, nn.Linear)]
+    if (kernels.ext is None or not targets
+            or not onednn_packing_supported(targets[0][1].weight)):
+        return 0
+    try:
+        for name, linear in targets:
+            parent_name, _, attr = name.rpartition(".")
+            parent = model.get_submodule(parent_name) if parent_name else model
+            setattr(parent, attr, PackedLinear(linear.weight, linear.bias, kernels,
+                                               lm_head=name == "lm_head"))
+        if getattr(model, "lm_head", "absent") is None:
+            model.lm_head = PackedLinear(model.embed_tokens.weight, None, kernels, lm_head=True)
+    except RuntimeError as exc:  # a oneDNN build without the op: plain linears still work
+        log.warning("weight prepacking failed, using plain linear layers: %s", exc)
+        return 0
+    return len(targets)

@@ -1,0 +1,94 @@
+"""The kernel layer's path selection (alignedserve.kernels.isa / dispatch) and its builds."""
+
+from __future__ import annotations
+
+import subprocess
+import sysconfig
+from pathlib import Path
+
+import pytest
+import torch
+
+from alignedserve.kernels import build, isa, kernels_for_path, select_kernels
+from alignedserve.kernels.isa import PATHS, cpu_paths
+from tests.conftest import kernel_path_params
+
+
+def test_cpu_paths_are_ordered_and_end_with_the_reference():
+    paths = cpu_paths()
+    assert paths[-1] == "reference"
+    assert list(paths) == [p for p in PATHS if p in paths]  # best first
+    # A CPU that runs a path runs every lower one.
+    assert paths == PATHS[PATHS.index(paths[0]):]
+
+
+def test_default_is_the_best_path(monkeypatch):
+    monkeypatch.delenv(isa.ENV_VAR, raising=False)
+    monkeypatch.delenv("ALIGNEDSERVE_NO_KERNELS", raising=False)
+    assert select_kernels().path == cpu_paths()[0]
+
+
+@pytest.mark.parametrize("path", kernel_path_params(PATHS))
+def test_env_var_forces_a_path(monkeypatch, path):
+    monkeypatch.setenv(isa.ENV_VAR, path)
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "ALL")  # already set: select must not change it
+    assert select_kernels().path == path
+    import os
+    assert os.environ["ONEDNN_MAX_CPU_ISA"] == "ALL"
+
+
+def test_no_kernels_is_the_reference(monkeypatch):
+    monkeypatch.delenv(isa.ENV_VAR, raising=False)
+    monkeypatch.setenv("ALIGNEDSERVE_NO_KERNELS", "1")
+    assert select_kernels().path == "reference"
+    assert select_kernels().ext is None
+
+
+def test_unknown_and_unsupported_paths_are_refused(monkeypatch):
+    monkeypatch.setenv(isa.ENV_VAR, "sse9")
+    with pytest.raises(ValueError, match="unknown kernel path"):
+        select_kernels()
+    lacking = [p for p in PATHS if p not in cpu_paths()]
+    if not lacking:
+        pytest.skip("this CPU supports every path")
+    with pytest.raises(ValueError, match="lacks"):
+        select_kernels(lacking[0])
+
+
+@pytest.mark.parametrize("path", kernel_path_params(("amx", "avx512_bf16", "avx2")))
+def test_each_build_is_what_it_says(path):
+    kernels = kernels_for_path(path)
+    assert kernels.ext.compiled_path() == path
+    assert kernels.amx == (path == "amx")
+
+
+def test_the_kernel_path_is_logged(caplog, default_model_path):
+    """The engine names its path at start-up (the server also puts it in /version and
+    /metrics: tests/test_server_e2e.py)."""
+    from alignedserve.config import EngineConfig
+    from alignedserve.engine import LLMEngine
+
+    with caplog.at_level("INFO", logger="alignedserve.engine"):
+        engine = LLMEngine(EngineConfig(kernel_path="reference", dtype="float32"))
+    engine.close()
+    assert any("kernels: reference path" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("path", [p for p in PATHS if p not in ("reference",)])
+def test_every_path_compiles_even_where_the_cpu_lacks_it(tmp_path: Path, path: str):
+    """Compile (not load) every source for ``path``'s target: a machine without AMX still
+    proves the AMX build compiles. Paths this CPU runs are built and loaded elsewhere."""
+    if path in cpu_paths():
+        pytest.skip(f"the {path} build is made and loaded by the other tests on this CPU")
+    from torch.utils import cpp_extension
+
+    includes = [f"-I{p}" for p in cpp_extension.include_paths()]
+    includes += [f"-I{sysconfig.get_paths()['include']}", f"-I{build.CSRC}"]
+    flags = ["-O1", *build.TARGET_FLAGS[path], "-fopenmp", "-std=c++17", "-fPIC",
+             "-DTORCH_EXTENSION_NAME=compile_check", "-D_GLIBCXX_USE_CXX11_ABI="
+             f"{int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
+    for source in build.SOURCES:
+        result = subprocess.run(["c++", *flags, *includes, "-c", str(build.CSRC / source),
+                                 "-o", str(tmp_path / f"{source}.o")],
+                                capture_output=True, text=True)
+        assert result.returncode == 0, f"{source} for {path}:\n{result.stderr[-3000:]}"
