@@ -77,7 +77,7 @@ class Kernels:
         self.avx512_bf16 = ext is not None and path == "avx512_bf16"
         # TODO(integration): the AVX512-BF16 linear and prefill kernels land separately.
         self.avx512_linear = self.avx512_bf16 and hasattr(ext, "linear_avx512")
-        self.avx512_prefill = self.avx512_bf16 and hasattr(ext, "prefill_attention_avx512")
+        self.avx512_prefill = self.avx512_bf16 and bool(ext.prefill_attention_avx512_available())
 
     def __repr__(self) -> str:
         return f"Kernels({self.path!r})"

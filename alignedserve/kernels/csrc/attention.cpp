@@ -18,9 +18,10 @@
 // Work decomposition: one work item is (row, kv head, token span). All query heads of a GQA
 // group are handled by the same item so each K/V row is read from memory once. Items are
 // sorted longest-first and pulled from an atomic counter (dynamic LPT scheduling), because row
-// lengths in a batch can differ by 50x and a static split would leave a core idle. Rows long
-// enough to unbalance the cores are cut into spans whose partial softmax states are merged at
-// the end (the split-K "flash decoding" combine).
+// lengths in a batch can differ by 50x and a static split would leave a core idle. Rows longer
+// than kSpan are cut into fixed spans whose partial softmax states are merged at the end, in
+// span order (the split-K "flash decoding" combine). Where a row is cut depends on its own
+// length only, so its result does not depend on the batch (batch invariance).
 //
 // Inside an item: pass 1 computes the scores of all heads of the group (16 tokens per score
 // vector), pass 2 takes the softmax over the span's score buffer (small: it stays in L1/L2),
@@ -71,8 +72,10 @@ namespace {
 
 constexpr int kLanes = 16;          // fp32 lanes per vector == tokens per score block
 constexpr int kMaxChunks = 16;      // head_dim <= 256 (vectors per head row)
-constexpr int64_t kMinSpan = 256;   // shorter spans cost more in merging than they balance
-constexpr int64_t kMaxSpan = 2048;  // keeps a span's score buffer L1/L2-resident
+// Rows longer than this are cut into spans of this many tokens (a multiple of 16), merged in
+// span order: long enough that merging costs little, short enough that a span's score buffer
+// stays L1/L2-resident and one long row still spreads over the threads.
+constexpr int64_t kSpan = 2048;
 constexpr double kLog2e = 1.4426950408889634;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
@@ -694,16 +697,6 @@ struct Plan {
   int64_t max_span = 0;
 };
 
-// Span length: ~8 items per thread keeps the longest item small next to a thread's share of
-// the work; kMinSpan bounds the merge overhead, kMaxSpan the score buffer.
-inline int64_t choose_span(const int64_t* pos, int64_t rows, int64_t kv_heads, int threads) {
-  int64_t total = 0;
-  for (int64_t b = 0; b < rows; ++b) total += pos[b] + 1;
-  const int64_t target = total * kv_heads / (8 * std::max(threads, 1));
-  const int64_t rounded = (target + kLanes - 1) / kLanes * kLanes;
-  return std::clamp(rounded, kMinSpan, kMaxSpan);
-}
-
 inline Plan plan_items(const int64_t* pos, int64_t rows, int64_t kv_heads, int64_t span) {
   Plan plan;
   plan.items.reserve(rows * kv_heads);
@@ -950,7 +943,7 @@ void run_item_tiled(const Problem& P, const Item& it, TiledScratch& s, Prefetche
   const int64_t n = it.end - it.begin;
   const int64_t padded = (n + kPairBlock - 1) / kPairBlock * kPairBlock;
   append_if_last<true>(P, it);
-  // Spans start at multiples of 16 (choose_span), so the token-major offset of the first token
+  // Spans start at multiples of 16 (kSpan), so the token-major offset of the first token
   // is also where its K block and its V pair start.
   const auto [k, v] = item_rows<uint16_t>(P, it);
   const uint16_t* q = P.q_bf16 + it.row * P.q_row + it.kv_head * P.group * kTiledDim;
@@ -1166,8 +1159,10 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_new,
     P.v_base.push_back(base + c.stride(1) * elem);
     P.hstride.push_back(c.stride(2));
   }
-  const int threads = at::get_num_threads();
-  const Plan plan = plan_items(P.pos, rows, kv_heads, choose_span(P.pos, rows, kv_heads, threads));
+  // A row's spans depend on its own length only, and every item's arithmetic on its span only,
+  // so a row's output is the same whatever other rows share the call and however many threads
+  // run it (batch invariance); the longest-first order only decides which thread runs what.
+  const Plan plan = plan_items(P.pos, rows, kv_heads, kSpan);
   const auto f32 = qf.options().dtype(at::kFloat);
   // bf16 (the model's dtype) is written directly; other dtypes are converted from fp32.
   const bool bf16_out = q.scalar_type() == at::kBFloat16;

@@ -12,6 +12,7 @@ namespace alignedserve {
 void register_attention(pybind11::module_& m);   // attention.cpp: decode attention
 void register_fused(pybind11::module_& m);       // fused.cpp: bf16 elementwise ops, argmax
 void register_prefill(pybind11::module_& m);     // prefill_attention.cpp: AMX prefill attention
+void register_prefill_avx512(pybind11::module_& m);  // prefill_attention_avx512.cpp
 void register_small_gemm(pybind11::module_& m);  // small_gemm.cpp: AMX small-batch linear
 
 namespace {
@@ -40,5 +41,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   alignedserve::register_attention(m);
   alignedserve::register_fused(m);
   alignedserve::register_prefill(m);
+  alignedserve::register_prefill_avx512(m);
   alignedserve::register_small_gemm(m);
 }
