@@ -54,3 +54,45 @@ def test_float32_models_are_not_packed(compiled: Kernels) -> None:
 def test_the_reference_path_packs_nothing(reference_kernels: Kernels) -> None:
     model = ours_from_hf(tiny_hf_model()).bfloat16()
     assert pack_linears(model, reference_kernels) == 0
+
+
+@pytest.mark.parametrize("out_features,in_features", [(96, 64), (576, 1536), (40, 34)])
+def test_a_rows_result_does_not_depend_on_its_batch(compiled: Kernels, out_features: int,
+                                                    in_features: int) -> None:
+    """Batch invariance: up to the path's own kernel's row limit, a row's bits are the same
+    alone, at any position of any batch, and on one thread."""
+    gen = torch.Generator().manual_seed(out_features)
+    weight = torch.randn(out_features, in_features, generator=gen).bfloat16()
+    layer = PackedLinear(weight, torch.randn(out_features, generator=gen).bfloat16(), compiled)
+    if layer.tiles is None:
+        pytest.skip(f"the {compiled.path} path runs this shape on oneDNN, whose rounding "
+                    "depends on the batch")
+    rows = min(layer.kernel_max_rows, 700)
+    x = torch.randn(rows, in_features, generator=gen).bfloat16()
+    whole = layer(x)
+    for lo, hi in [(0, 1), (3, 20), (16, 48), (rows - 1, rows), (5, rows)]:
+        assert torch.equal(layer(x[lo:hi]), whole[lo:hi]), (lo, hi)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(layer(x), whole)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_the_avx512_kernel_rejects_bad_inputs(compiled: Kernels) -> None:
+    if not compiled.avx512_bf16:
+        pytest.skip(f"the {compiled.path} path does not use the AVX512-BF16 linear")
+    ext = compiled.ext
+    weight = torch.randn(32, 64).bfloat16()
+    packed = ext.pack_weight_avx512(weight)
+    x = torch.randn(4, 64).bfloat16()
+    with pytest.raises(ValueError):
+        ext.linear_avx512(x[:, :32].contiguous(), packed, None)  # K does not match
+    with pytest.raises(ValueError):
+        ext.linear_avx512(x.float(), packed, None)
+    with pytest.raises(ValueError):
+        ext.linear_avx512(x, weight, None)  # not a packed weight
+    with pytest.raises(ValueError):
+        ext.linear_avx512(x, packed, torch.zeros(31))
+    assert ext.linear_avx512(x[:0], packed, None).shape == (0, 32)

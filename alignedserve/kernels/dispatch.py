@@ -75,9 +75,6 @@ class Kernels:
         self.ext = ext
         self.amx = ext is not None and path == "amx" and bool(ext.amx_available())
         self.avx512_bf16 = ext is not None and path == "avx512_bf16"
-        # TODO(integration): the AVX512-BF16 linear and prefill kernels land separately.
-        self.avx512_linear = self.avx512_bf16 and hasattr(ext, "linear_avx512")
-        self.avx512_prefill = self.avx512_bf16 and bool(ext.prefill_attention_avx512_available())
 
     def __repr__(self) -> str:
         return f"Kernels({self.path!r})"
@@ -188,7 +185,7 @@ class Kernels:
         head_dim % 32 == 0, on a path with a prefill kernel); else the caller uses
         ``reference.prefill_attention`` (SDPA)."""
         dim = q.shape[-1]
-        return ((self.amx or self.avx512_prefill) and q.dtype == _BF16 and q.is_cpu
+        return ((self.amx or self.avx512_bf16) and q.dtype == _BF16 and q.is_cpu
                 and dim % 32 == 0 and dim <= _MAX_HEAD_DIM)
 
     def prefill_attention(self, q: Tensor, keys: Tensor, values: Tensor, start: int,

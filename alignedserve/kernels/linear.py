@@ -68,7 +68,7 @@ class PackedLinear(nn.Module):
             self._kernel = ext.amx_linear
             tiles = ext.pack_weight(weight.detach())
             self.kernel_max_rows = AMX_MAX_ROWS_LM_HEAD if lm_head else AMX_MAX_ROWS
-        elif kernels.avx512_linear and weight.dtype == torch.bfloat16 and weight.is_cpu:
+        elif kernels.avx512_bf16 and weight.dtype == torch.bfloat16 and weight.is_cpu:
             self._kernel = ext.linear_avx512
             tiles = ext.pack_weight_avx512(weight.detach())
             self.kernel_max_rows = 1 << 62

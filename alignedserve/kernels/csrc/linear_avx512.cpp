@@ -1,0 +1,386 @@
+// bf16 linear layer for CPUs with AVX512-BF16 and no AMX: y = x . W^T (+ bias).
+//
+// Contract (checked in linear_avx512 below):
+//   x      : [M, K] bf16 CPU, rows dense (stride(1) == 1; stride(0) free, so x may be a row
+//            view of a bigger tensor). Any M >= 0.
+//   packed : pack_weight_avx512(W) for W [N, K] bf16, any N >= 1, K >= 1 (below 2^31). A 1-d
+//            bf16 tensor: W's columns (output features) in panels of 64 (the last panel
+//            narrower when N is not a multiple of 64: ceil(N_left / 16) * 16 wide), each panel
+//            the whole depth in KP = ceil(K / 2) steps of pairs; then a 64-byte trailer:
+//              panel g (width Wg) starts at element g * KP * 128, and inside it
+//              [p * Wg + c] * 2 + e  holds  W[64 g + c, 2 p + e]
+//            (zero where the column is >= N or the depth >= K); the trailer is 32 bf16 slots
+//            holding the int32 words {kMagic, N, K, 0, ...}, so linear_avx512 knows N and
+//            checks K. A step of 16 columns is one zmm: 16 lanes of (W[n, 2p], W[n, 2p + 1]),
+//            the operand vdpbf16ps takes; a full panel's step is 4 zmm = 256 contiguous bytes.
+//   bias   : [N] bf16 or fp32 (other float types are converted to fp32), or None.
+//   out    : [M, N] bf16, new and contiguous.
+//
+// Arithmetic, and why a row's result does not depend on its batch: every output element
+// y[m, n] is one fp32 accumulator that starts at +0 and takes, for p = 0, 1, ..., KP - 1 in
+// order, one vdpbf16ps step with the pair (x[m, 2p], x[m, 2p + 1]) and (W[n, 2p], W[n, 2p+1])
+// (for odd K the missing x[m, K] is a zero, as is its weight); then the bias is added in
+// fp32 and the sum rounded once to bf16 (round to nearest even). Every kernel variant below
+// (whatever rows x columns it holds in registers, whatever part of the matrix a thread
+// takes) issues exactly this sequence for each element, so y[m] depends only on x[m] and W:
+// not on M, on the other rows, on the thread count or on the work split.
+//
+// Speed. At decode shapes (a few rows) a linear layer is a stream of its weight from DRAM;
+// from a dozen or so rows on it is bound by the vdpbf16ps rate (on Zen 4 one zmm per cycle
+// per core: 16 lanes x 2 products). The register tile is kRows rows x 64 columns (6 x 4 zmm
+// accumulators: enough independent chains to cover vdpbf16ps's latency, and 24 + 4 weight
+// + 1 broadcast registers fit in 32); per depth step it loads one panel step (4 zmm) and
+// broadcasts one pair per row. Each thread takes a contiguous range of 16-column blocks,
+// i.e. one run of weight memory front to back; for each panel (or part of one) in its range
+// it runs every row tile over it, the panel staying in L2 after the first row tile (part()
+// says what is prefetched, and when). Where there are too few columns for the threads, they
+// split the rows instead (split_rows()).
+//
+// Compiled everywhere; the kernel itself only where the compiler targets AVX512-BF16 (with
+// BW and VL). Elsewhere linear_avx512_available() is false and linear_avx512 throws
+// (pack_weight_avx512 still packs).
+
+// Narrow includes on purpose: <torch/extension.h> is slow to compile.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <algorithm>
+#include <climits>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <utility>
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define ALIGNEDSERVE_LINEAR_AVX512 1
+#include <immintrin.h>
+#endif
+
+namespace alignedserve {
+namespace {
+
+constexpr int64_t kBlock = 16;          // output columns per zmm (fp32 lanes)
+constexpr int64_t kPanelBlocks = 4;     // blocks per panel: 64 columns
+constexpr int64_t kTrailer = 32;        // bf16 slots (64 bytes) after the panels
+constexpr int32_t kMagic = 0x4c415835;  // "5XAL": marks a tensor from pack_weight_avx512
+
+bool available() {
+#ifdef ALIGNEDSERVE_LINEAR_AVX512
+  return true;
+#else
+  return false;
+#endif
+}
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+#ifdef ALIGNEDSERVE_LINEAR_AVX512
+
+constexpr int kRows = 6;  // rows per register tile: 6 x 4 = 24 zmm accumulators
+
+struct Problem {
+  const uint16_t* x;  // [M, K], row stride x_stride (elements)
+  int64_t x_stride;
+  const uint16_t* w;  // packed panels
+  const void* bias;   // [N] or null
+  bool bias_bf16;     // bias is bf16 (else fp32)
+  uint16_t* out;      // [M, N]
+  int64_t M, N, K, KP;
+};
+
+// Where block j's step 0 lies, and how many elements apart its steps are (its panel's width
+// in columns times 2).
+std::pair<const uint16_t*, int64_t> block_at(const Problem& P, int64_t j) {
+  const int64_t nb = ceil_div(P.N, kBlock);
+  const int64_t g = j / kPanelBlocks;
+  const int64_t width = std::min(kPanelBlocks, nb - g * kPanelBlocks) * kBlock;
+  return {P.w + g * P.KP * kPanelBlocks * kBlock * 2 + (j % kPanelBlocks) * kBlock * 2,
+          width * 2};
+}
+
+// What a tile pulls into L2 while it computes (see part()): `lines` 64-byte lines of each step
+// of a weight run starting at `w` (steps `w_step` elements apart), and the `rows` activation
+// rows starting at `x`, one line of each per 16 steps.
+struct Ahead {
+  const uint16_t* w;
+  int64_t w_step;
+  int64_t lines;
+  const uint16_t* x;
+  int64_t rows;
+};
+
+// Rows [m, m + R) x the C blocks from `w` on (steps `w_step` elements apart; output columns
+// from col on) over the whole depth, then bias, rounding and store. The arithmetic is the
+// same for every R and C (file comment).
+template <int R, int C>
+void tile(const Problem& P, int64_t m, const uint16_t* w, int64_t w_step, int64_t col,
+          const Ahead& ahead) {
+  const int64_t full = P.K / 2;  // complete pairs
+  // Rows r < 3 are addressed from x0, the others from x3 (base + r * stride with scale 1 or
+  // 2), so R row pointers cost three registers.
+  const char* x0 = reinterpret_cast<const char*>(P.x + m * P.x_stride);
+  const char* x3 = x0 + 3 * P.x_stride * 2;
+  const int64_t xs = P.x_stride * 2;  // bytes
+  auto row = [&](int r) { return r < 3 ? x0 + r * xs : x3 + (r - 3) * xs; };
+
+  __m512 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+
+  // One depth step. The weights are loaded first and each row's pair is broadcast just
+  // before its C products, so at most C + 1 inputs are live beside the R x C accumulators.
+  auto step = [&](const uint16_t* ws, auto pair_of_row) {
+    __m512i b[C];
+    for (int c = 0; c < C; ++c) b[c] = _mm512_loadu_si512(ws + c * kBlock * 2);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(pair_of_row(r));
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], a, (__m512bh)b[c]);
+    }
+  };
+
+  // Near the end, the tile asks for its output lines: with many rows the output is bigger
+  // than L2, and stores that each wait for their line from L3 stall the next tile.
+  const int64_t out_at = std::max<int64_t>(0, full - 32);
+  const uint16_t* ws = w;
+  const char* pfw = reinterpret_cast<const char*>(ahead.w);
+  for (int64_t p = 0; p < full; ++p, ws += w_step, pfw += ahead.w_step * 2) {
+    if (p == out_at)
+      for (int r = 0; r < R; ++r) {
+        const char* o = reinterpret_cast<const char*>(P.out + (m + r) * P.N + col);
+        for (int64_t b = 0; b < C * kBlock * 2; b += 64) _mm_prefetch(o + b, _MM_HINT_T0);
+        _mm_prefetch(o + C * kBlock * 2 - 1, _MM_HINT_T0);
+      }
+    for (int64_t q = 0; q < ahead.lines; ++q) _mm_prefetch(pfw + q * 64, _MM_HINT_T1);
+    if ((p & 15) == 0)
+      for (int64_t r = 0; r < ahead.rows; ++r)
+        _mm_prefetch(reinterpret_cast<const char*>(ahead.x + r * P.x_stride + 2 * p),
+                     _MM_HINT_T1);
+    step(ws, [&](int r) {
+      int32_t v;
+      std::memcpy(&v, row(r) + 4 * p, 4);
+      return v;
+    });
+  }
+  if (P.K & 1)  // the last, half pair: (x[m, K - 1], 0)
+    step(ws, [&](int r) {
+      uint16_t v;
+      std::memcpy(&v, row(r) + 4 * full, 2);
+      return static_cast<int32_t>(v);
+    });
+
+  // Bias (or +0), one rounding, store; fully unrolled so the accumulators stay in registers.
+  __m512 bias[C];
+  __mmask16 mask[C];
+#pragma GCC unroll 4
+  for (int c = 0; c < C; ++c) {
+    const int64_t cc = col + c * kBlock;
+    mask[c] = static_cast<__mmask16>((1u << std::min<int64_t>(kBlock, P.N - cc)) - 1);
+    if (!P.bias) {
+      bias[c] = _mm512_setzero_ps();
+    } else if (P.bias_bf16) {
+      // bf16 -> fp32 is a 16-bit shift. (The masked forms: GCC 12's unmasked ones warn about
+      // their undefined pass-through operand.)
+      const __m256i raw =
+          _mm256_maskz_loadu_epi16(mask[c], static_cast<const uint16_t*>(P.bias) + cc);
+      bias[c] = _mm512_castsi512_ps(
+          _mm512_maskz_slli_epi32(0xffff, _mm512_maskz_cvtepu16_epi32(0xffff, raw), 16));
+    } else {
+      bias[c] = _mm512_maskz_loadu_ps(mask[c], static_cast<const float*>(P.bias) + cc);
+    }
+  }
+#pragma GCC unroll 6
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) {
+      const __m256i y = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[r][c], bias[c]));
+      _mm256_mask_storeu_epi16(P.out + (m + r) * P.N + col + c * kBlock, mask[c], y);
+    }
+}
+
+template <int C>
+void tile_rows(const Problem& P, int64_t m, int64_t rows, const uint16_t* w, int64_t w_step,
+               int64_t col, const Ahead& ahead) {
+  switch (rows) {
+    case 1: return tile<1, C>(P, m, w, w_step, col, ahead);
+    case 2: return tile<2, C>(P, m, w, w_step, col, ahead);
+    case 3: return tile<3, C>(P, m, w, w_step, col, ahead);
+    case 4: return tile<4, C>(P, m, w, w_step, col, ahead);
+    case 5: return tile<5, C>(P, m, w, w_step, col, ahead);
+    default: return tile<kRows, C>(P, m, w, w_step, col, ahead);
+  }
+}
+
+// Rows [m0, m1) x blocks [j0, j1), one group at a time: the blocks of one panel inside the
+// range (a whole panel but maybe at the ends), all row tiles over it. Each tile pulls the
+// rows of the tile after it into L2 (with many rows they come from L3). With at least two
+// full row tiles, the tiles also pull the next group's weights into L2, its per-step lines
+// shared out over them, so the weight stream from memory overlaps the arithmetic. With fewer
+// rows the group is a stream from memory that the hardware prefetchers serve better alone:
+// a second, software stream one panel ahead made it slower.
+void part(const Problem& P, int64_t m0, int64_t m1, int64_t j0, int64_t j1) {
+  const int64_t row_tiles = ceil_div(m1 - m0, kRows);
+  const bool pull = m1 - m0 >= 2 * kRows;
+  auto group_end = [&](int64_t j) {
+    return std::min(j1, (j / kPanelBlocks + 1) * kPanelBlocks);
+  };
+  for (int64_t j = j0; j < j1;) {
+    const int64_t j_end = group_end(j), cols = j_end - j;
+    const auto [w, w_step] = block_at(P, j);
+    const int64_t next = pull && j_end < j1 ? group_end(j_end) - j_end : 0;  // lines a step
+    const auto [w_next, w_next_step] = next ? block_at(P, j_end) : std::pair{w, w_step};
+    const int64_t per_tile = ceil_div(next, row_tiles);
+    for (int64_t m = m0, t = 0; m < m1; m += kRows, ++t) {
+      const int64_t rows = std::min<int64_t>(kRows, m1 - m);
+      const int64_t q0 = std::min(next, t * per_tile);
+      const int64_t m_next = m + kRows < m1 ? m + kRows : m0;
+      const Ahead ahead{w_next + q0 * kBlock * 2, w_next_step,
+                        std::min(next, q0 + per_tile) - q0, P.x + m_next * P.x_stride,
+                        row_tiles > 1 ? std::min<int64_t>(kRows, m1 - m_next) : 0};
+      const int64_t col = j * kBlock;
+      switch (cols) {
+        case 1: tile_rows<1>(P, m, rows, w, w_step, col, ahead); break;
+        case 2: tile_rows<2>(P, m, rows, w, w_step, col, ahead); break;
+        case 3: tile_rows<3>(P, m, rows, w, w_step, col, ahead); break;
+        default: tile_rows<4>(P, m, rows, w, w_step, col, ahead); break;
+      }
+    }
+    j = j_end;
+  }
+}
+
+// How T threads share M rows x NB column blocks: a grid of tm row ranges x tn block ranges
+// (tm * tn = T). A part costs its blocks times (its rows plus what streaming a block from
+// memory costs, in rows of arithmetic): few rows favour splitting the columns (each weight
+// read once), many rows over few blocks favour splitting the rows.
+int64_t split_rows(int64_t M, int64_t NB, int64_t T) {
+  constexpr int64_t kStreamRows = 16;
+  int64_t best = 1, best_cost = INT64_MAX;
+  for (int64_t tm = 1; tm <= T; ++tm) {
+    if (T % tm) continue;
+    const int64_t cost = ceil_div(NB, T / tm) * (ceil_div(M, tm) + kStreamRows);
+    if (cost < best_cost) best = tm, best_cost = cost;
+  }
+  return best;
+}
+
+#endif  // ALIGNEDSERVE_LINEAR_AVX512
+
+at::Tensor pack_weight_avx512(const at::Tensor& w) {
+  TORCH_CHECK_VALUE(w.dim() == 2 && w.scalar_type() == at::kBFloat16 && w.device().is_cpu(),
+                    "pack_weight_avx512: need a 2-d bf16 CPU weight [N, K], got ",
+                    w.scalar_type(), " ", w.sizes());
+  const int64_t N = w.size(0), K = w.size(1);
+  TORCH_CHECK_VALUE(N > 0 && K > 0 && N < INT32_MAX && K < INT32_MAX,
+                    "pack_weight_avx512: bad weight shape ", w.sizes());
+  const int64_t NB = ceil_div(N, kBlock), KP = ceil_div(K, 2);
+  const at::Tensor src = w.contiguous();
+  at::Tensor packed = at::empty({NB * kBlock * KP * 2 + kTrailer}, w.options());
+  const auto* s = reinterpret_cast<const uint16_t*>(src.data_ptr());
+  auto* d = reinterpret_cast<uint16_t*>(packed.data_ptr());
+  for (int64_t n0 = 0; n0 < NB * kBlock; n0 += kPanelBlocks * kBlock) {
+    const int64_t width = std::min(kPanelBlocks * kBlock, NB * kBlock - n0);
+    for (int64_t p = 0; p < KP; ++p)
+      for (int64_t c = 0; c < width; ++c)
+        for (int64_t e = 0; e < 2; ++e) {
+          const int64_t n = n0 + c, k = 2 * p + e;
+          *d++ = n < N && k < K ? s[n * K + k] : 0;
+        }
+  }
+  const int32_t meta[kTrailer / 2] = {kMagic, static_cast<int32_t>(N), static_cast<int32_t>(K)};
+  std::memcpy(d, meta, sizeof(meta));
+  return packed;
+}
+
+// N and K of a packed weight, checked against its size.
+std::pair<int64_t, int64_t> packed_shape(const at::Tensor& packed) {
+  TORCH_CHECK_VALUE(packed.dim() == 1 && packed.scalar_type() == at::kBFloat16 &&
+                        packed.device().is_cpu() && packed.is_contiguous() &&
+                        packed.numel() > kTrailer,
+                    "linear_avx512: packed must come from pack_weight_avx512");
+  int32_t meta[3];
+  std::memcpy(meta,
+              reinterpret_cast<const uint16_t*>(packed.data_ptr()) + packed.numel() - kTrailer,
+              sizeof(meta));
+  const int64_t N = meta[1], K = meta[2];
+  TORCH_CHECK_VALUE(meta[0] == kMagic && N > 0 && K > 0 &&
+                        packed.numel() ==
+                            ceil_div(N, kBlock) * kBlock * ceil_div(K, 2) * 2 + kTrailer,
+                    "linear_avx512: packed must come from pack_weight_avx512");
+  return {N, K};
+}
+
+at::Tensor linear_avx512(const at::Tensor& x, const at::Tensor& packed,
+                         const std::optional<at::Tensor>& bias_opt) {
+  TORCH_CHECK_VALUE(available(), "linear_avx512: this build has no AVX512-BF16 kernel");
+  const auto [N, K] = packed_shape(packed);
+  TORCH_CHECK_VALUE(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.device().is_cpu(),
+                    "linear_avx512: x must be a 2-d bf16 CPU tensor, got ", x.scalar_type(),
+                    " ", x.sizes());
+  TORCH_CHECK_VALUE(x.size(1) == K, "linear_avx512: x has ", x.size(1),
+                    " features, the weight takes ", K);
+  TORCH_CHECK_VALUE(x.size(0) <= 1 || x.stride(1) == 1 || K == 1,
+                    "linear_avx512: x's rows must be dense (stride(1) == 1)");
+  at::Tensor bias;
+  if (bias_opt.has_value() && bias_opt->defined()) {
+    bias = *bias_opt;
+    TORCH_CHECK_VALUE(bias.device().is_cpu() && bias.is_floating_point() && bias.numel() == N,
+                      "linear_avx512: bias must be a float CPU tensor of ", N,
+                      " elements, got ", bias.scalar_type(), " ", bias.sizes());
+    if (bias.scalar_type() != at::kBFloat16) bias = bias.to(at::kFloat);
+    bias = bias.contiguous();
+  }
+  const int64_t M = x.size(0);
+  at::Tensor out = at::empty({M, N}, x.options());
+#ifdef ALIGNEDSERVE_LINEAR_AVX512
+  if (M == 0) return out;
+  // One row (or K == 1) may come with any strides; make it dense.
+  at::Tensor rows = x.stride(1) == 1 ? x : x.contiguous();
+  int64_t x_stride = M == 1 ? K : rows.stride(0);
+  if (M > 1 && (x_stride * 2) % 4096 == 0) {
+    // Rows a multiple of 4 KiB apart all fall in the same L1 sets and evict one another while
+    // a tile walks them (measurably slower at K = 14336): copy them 64 bytes apart.
+    at::Tensor padded = at::empty({M, K + 32}, x.options());
+    for (int64_t r = 0; r < M; ++r)
+      std::memcpy(static_cast<uint16_t*>(padded.data_ptr()) + r * (K + 32),
+                  static_cast<const uint16_t*>(rows.data_ptr()) + r * x_stride, K * 2);
+    rows = padded;
+    x_stride = K + 32;
+  }
+  const Problem P{reinterpret_cast<const uint16_t*>(rows.data_ptr()), x_stride,
+                  reinterpret_cast<const uint16_t*>(packed.data_ptr()),
+                  bias.defined() ? bias.data_ptr() : nullptr,
+                  bias.defined() && bias.scalar_type() == at::kBFloat16,
+                  reinterpret_cast<uint16_t*>(out.data_ptr()),
+                  M, N, K, ceil_div(K, 2)};
+  const int64_t NB = ceil_div(N, kBlock);
+  const int64_t T = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), NB * M));
+  const int64_t tm = split_rows(M, NB, T), tn = T / tm;
+  at::parallel_for(0, T, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t t = lo; t < hi; ++t) {  // hi > lo + 1 only where the region runs serially
+      const int64_t i = t / tn, jn = t % tn;
+      part(P, M * i / tm, M * (i + 1) / tm, NB * jn / tn, NB * (jn + 1) / tn);
+    }
+  });
+#endif
+  return out;
+}
+
+}  // namespace
+
+void register_linear_avx512(pybind11::module_& m) {
+  using pybind11::arg;
+  m.def("linear_avx512_available", &available,
+        "True when this build has the AVX512-BF16 linear kernel.");
+  m.def("pack_weight_avx512", &pack_weight_avx512,
+        "W [N, K] bf16 -> the 1-d packed layout linear_avx512 takes (64-column panels of "
+        "pair-interleaved depth steps, then a trailer holding N and K).",
+        arg("weight"));
+  m.def("linear_avx512", &linear_avx512,
+        "y = x . W^T + bias in bf16 (fp32 accumulation, one rounding); a row's result does "
+        "not depend on the batch it is in.",
+        arg("x"), arg("packed"), arg("bias") = pybind11::none());
+}
+
+}  // namespace alignedserve
