@@ -3,8 +3,10 @@
 Measures, on this machine and with the threads torch is given:
   * read bandwidth: a float32 sum over 1 GiB (best of several; torch's reduction is
     vectorised and threaded, and matches a hand-written AVX-512 read loop here);
-  * bf16 linear time of the model's layer shapes at prefill (4096 rows) and decode (64 rows);
-  * bf16 causal SDPA throughput (useful FLOPs/s) at a 2048-token prompt.
+  * bf16 linear time of the model's layer shapes at prefill (4096 rows) and decode (64 rows),
+    through the kernel path's linears (``PackedLinear``; ``--path``, default the CPU's best);
+  * bf16 causal prefill attention throughput (useful FLOPs/s) at a 2048-token prompt: the
+    path's prefill kernel where it has one, else SDPA.
 Then prices the workload as if every step ran at those rates with nothing else:
   prefill  = prompt tokens x linear time per token + causal attention FLOPs / SDPA rate
   decode   = steps x (decode linears + LM head at 64 rows) + KV bytes read / bandwidth
@@ -13,6 +15,7 @@ elements). The sum is a floor on wall time (no scheduling, no sampling, no Pytho
 ``output tokens / floor`` is a ceiling on output tok/s. ``--kv-bytes 1`` prices an 8-bit KV.
 
 Usage: python benchmarks/roofline.py [--workload varied|uniform] [--threads 2] [--kv-bytes 2]
+       [--path amx|avx512_bf16|avx2|reference]
 """
 
 from __future__ import annotations
@@ -25,6 +28,9 @@ import torch
 import torch.nn.functional as F
 
 from alignedserve.bench.workloads import synthetic
+from alignedserve.kernels import Kernels, select_kernels
+from alignedserve.kernels.isa import PATHS
+from alignedserve.kernels.linear import PackedLinear
 from alignedserve.model.config import ModelConfig
 from alignedserve.model.default_model import default_model_path
 from alignedserve.model.loader import read_gguf_config
@@ -59,22 +65,31 @@ def layer_shapes(c: ModelConfig) -> list[tuple[int, int]]:
             (c.hidden_size, 2 * c.intermediate_size), (c.intermediate_size, c.hidden_size)]
 
 
-def linear_time(rows: int, shapes: list[tuple[int, int]]) -> float:
-    """Seconds for one pass of bf16 linears over ``rows`` rows."""
+def linear_time(rows: int, shapes: list[tuple[int, int]], kernels: Kernels) -> float:
+    """Seconds for one pass of bf16 linears over ``rows`` rows on the path's linears."""
     total = 0.0
     for k, n in shapes:
         a = torch.randn(rows, k, dtype=torch.bfloat16)
         w = torch.randn(n, k, dtype=torch.bfloat16)
-        total += best_time(lambda: F.linear(a, w))
+        layer = PackedLinear(w, None, kernels) if kernels.ext is not None else None
+        total += best_time(lambda: layer(a) if layer is not None else F.linear(a, w))
     return total
 
 
-def sdpa_rate(c: ModelConfig, tokens: int = 2048) -> float:
-    """Useful FLOPs/s of causal bf16 SDPA (GQA) over one ``tokens``-long prompt."""
-    q = torch.randn(1, c.num_heads, tokens, c.head_dim, dtype=torch.bfloat16)
-    kv = torch.randn(1, c.num_kv_heads, tokens, c.head_dim, dtype=torch.bfloat16)
-    seconds = best_time(lambda: F.scaled_dot_product_attention(q, kv, kv, is_causal=True,
-                                                               enable_gqa=True), repeats=3)
+def attention_rate(c: ModelConfig, kernels: Kernels, tokens: int = 2048) -> float:
+    """Useful FLOPs/s of causal bf16 prefill attention (GQA) over one ``tokens``-long prompt:
+    the path's prefill kernel where it has one (over a token-major cache), else SDPA."""
+    q = torch.randn(tokens, c.num_heads, c.head_dim, dtype=torch.bfloat16)
+    kv = torch.randn(c.num_kv_heads, tokens, c.head_dim, dtype=torch.bfloat16)
+    if kernels.prefill_kernel_applies(q):
+        def run():
+            return kernels.prefill_attention(q, kv, kv, 0, c.head_dim ** -0.5)
+    else:
+        qs, kvs = q.transpose(0, 1)[None], kv[None]
+
+        def run():
+            return F.scaled_dot_product_attention(qs, kvs, kvs, is_causal=True, enable_gqa=True)
+    seconds = best_time(run, repeats=3)
     return causal_flops(c, tokens) / c.num_layers / seconds
 
 
@@ -92,20 +107,24 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--kv-bytes", type=float, nargs="+", default=[2.0],
                         help="bytes per cached K/V element (2: bf16, 1: fp8)")
+    parser.add_argument("--path", choices=PATHS, default=None,
+                        help="kernel path (default: $ALIGNEDSERVE_ISA, else the CPU's best)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    kernels = select_kernels(args.path)
 
     c = read_gguf_config(default_model_path())  # the default model's shapes, no weights
     shapes = layer_shapes(c)
     bw = read_bandwidth()
-    prefill_per_token = linear_time(4096, shapes) * c.num_layers / 4096
+    prefill_per_token = linear_time(4096, shapes, kernels) * c.num_layers / 4096
     decode_rows = args.num_requests
-    decode_step = (linear_time(decode_rows, shapes) * c.num_layers
-                   + linear_time(decode_rows, [(c.hidden_size, c.vocab_size)]))
-    attn_rate = sdpa_rate(c)
-    print(f"measured: read {bw / 1e9:.1f} GB/s; prefill linears {prefill_per_token * 1e6:.1f} "
-          f"us/token; decode linears+head at {decode_rows} rows {decode_step * 1e3:.1f} ms/step; "
-          f"causal SDPA {attn_rate / 1e9:.0f} GFLOP/s")
+    decode_step = (linear_time(decode_rows, shapes, kernels) * c.num_layers
+                   + linear_time(decode_rows, [(c.hidden_size, c.vocab_size)], kernels))
+    attn_rate = attention_rate(c, kernels)
+    print(f"kernel path {kernels.path}; measured: read {bw / 1e9:.1f} GB/s; prefill linears "
+          f"{prefill_per_token * 1e6:.1f} us/token; decode linears+head at {decode_rows} rows "
+          f"{decode_step * 1e3:.1f} ms/step; causal prefill attention "
+          f"{attn_rate / 1e9:.0f} GFLOP/s")
 
     for name in args.workload:
         wl = synthetic(WORKLOADS[name], args.num_requests, args.seed)

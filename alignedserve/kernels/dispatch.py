@@ -13,7 +13,7 @@ op                        amx                         avx512_bf16     avx2
 ========================  ==========================  ==============  =============
 linears (``linear.py``)   AMX tiles, oneDNN above     AVX512-BF16     oneDNN
                           1024 rows (LM head: 128)    (any rows)      (prepacked)
-prefill attention         AMX                         AVX512-BF16     SDPA
+prefill attention         AMX                         AVX512-BF16     AVX2
 decode attention          AMX over tiled bf16 caches, AVX-512 FMA     AVX2 (portable)
                           AVX-512 FMA otherwise
 norms, RoPE, SiLU·up,     AVX-512                     AVX-512         AVX2 (portable)
@@ -75,6 +75,7 @@ class Kernels:
         self.ext = ext
         self.amx = ext is not None and path == "amx" and bool(ext.amx_available())
         self.avx512_bf16 = ext is not None and path == "avx512_bf16"
+        self.avx2 = ext is not None and path == "avx2"
 
     def __repr__(self) -> str:
         return f"Kernels({self.path!r})"
@@ -181,22 +182,26 @@ class Kernels:
                 and granularity % CAPACITY_MULTIPLE == 0)
 
     def prefill_kernel_applies(self, q: Tensor) -> bool:
-        """Whether `prefill_attention` takes chunks with queries like ``q`` (bf16 on CPU,
-        head_dim % 32 == 0, on a path with a prefill kernel); else the caller uses
-        ``reference.prefill_attention`` (SDPA)."""
+        """Whether `prefill_attention` takes chunks with queries like ``q`` (bf16 on CPU, a
+        head_dim the path's kernel takes: % 32 with AMX or AVX512-BF16, % 8 with AVX2); else
+        the caller uses ``reference.prefill_attention`` (SDPA)."""
         dim = q.shape[-1]
-        return ((self.amx or self.avx512_bf16) and q.dtype == _BF16 and q.is_cpu
-                and dim % 32 == 0 and dim <= _MAX_HEAD_DIM)
+        if q.dtype != _BF16 or not q.is_cpu or dim > _MAX_HEAD_DIM or self.ext is None:
+            return False
+        return dim % 8 == 0 if self.avx2 else dim % 32 == 0
 
     def prefill_attention(self, q: Tensor, keys: Tensor, values: Tensor, start: int,
                           scale: float, tiled: bool = False) -> Tensor:
         """Causal attention of queries q [T, H, D] at positions start.. over keys / values
         [KVH, start + T, D] (token-major), or a tiled cache's K and V planes (``tiled``,
-        AMX only); SDPA's semantics with a bottom-right causal mask and GQA. Call only where
-        `prefill_kernel_applies`."""
+        AMX only); SDPA's semantics with a bottom-right causal mask and GQA. A query's
+        result depends only on its own position's keys and values, not on how the prompt
+        was cut into chunks. Call only where `prefill_kernel_applies`."""
         if self.amx:
             return self.ext.prefill_attention(q, keys, values, start, scale, tiled)
-        return self.ext.prefill_attention_avx512(q, keys, values, start, scale)
+        if self.avx512_bf16:
+            return self.ext.prefill_attention_avx512(q, keys, values, start, scale)
+        return self.ext.prefill_attention_avx2(q, keys, values, start, scale)
 
     def write_tiled(self, cache: Tensor, layer: int, k: Tensor, v: Tensor, start: int) -> None:
         """Store k, v [T, KVH, D] at positions start.. of a tiled cache's layer ``layer``."""

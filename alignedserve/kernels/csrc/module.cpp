@@ -13,6 +13,7 @@ void register_attention(pybind11::module_& m);   // attention.cpp: decode attent
 void register_fused(pybind11::module_& m);       // fused.cpp: bf16 elementwise ops, argmax
 void register_prefill(pybind11::module_& m);     // prefill_attention.cpp: AMX prefill attention
 void register_prefill_avx512(pybind11::module_& m);  // prefill_attention_avx512.cpp
+void register_prefill_avx2(pybind11::module_& m);    // prefill_attention_avx2.cpp
 void register_small_gemm(pybind11::module_& m);  // small_gemm.cpp: AMX small-batch linear
 void register_linear_avx512(pybind11::module_& m);  // linear_avx512.cpp: AVX512-BF16 linear
 
@@ -43,6 +44,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   alignedserve::register_fused(m);
   alignedserve::register_prefill(m);
   alignedserve::register_prefill_avx512(m);
+  alignedserve::register_prefill_avx2(m);
   alignedserve::register_small_gemm(m);
   alignedserve::register_linear_avx512(m);
 }
