@@ -79,14 +79,17 @@ class PackedLinear(nn.Module):
             persistent=False)
 
     def forward(self, x: Tensor) -> Tensor:
+        # Registered members are read from their dicts: nn.Module.__getattr__ costs about as
+        # much as a decode-sized kernel call's own overhead, and this runs ~120 times a step.
+        bias = self._parameters["bias"] if "bias" in self._parameters else self.bias
         if x.dim() == 2:
             rows = x.shape[0]
             if rows <= self.kernel_max_rows and x.stride(1) == 1:
-                return self._kernel(x, self.tiles, self.bias)
+                return self._kernel(x, self._buffers["tiles"], bias)
             if rows <= self.packed_max_rows:
-                return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none",
-                                                          [], "")
-        return F.linear(x, self.weight, self.bias)
+                return torch.ops.mkldnn._linear_pointwise(x, self._buffers["packed"], bias,
+                                                          "none", [], "")
+        return F.linear(x, self._parameters["weight"], bias)
 
 
 def pack_linears(model: nn.Module, kernels: Kernels) -> int:

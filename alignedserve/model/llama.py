@@ -19,6 +19,12 @@ model is built: norms, RoPE, SiLU·up and attention's kernels are its methods, a
 layers are `PackedLinear` modules prepared for it by the loader. There is one forward pass:
 prefill, decode and mixed steps, every path and dtype, all run this code (float32 routes
 every op to the PyTorch reference, so it stays bit-identical to transformers).
+
+The module tree is built for speed: inside a layer, submodules are reached through
+``self._modules`` and called by ``.forward``, and parameters read from ``_parameters``.
+``nn.Module.__getattr__`` and ``__call__`` (hook dispatch) each cost about a microsecond,
+which a decode step would pay ~20 times per layer around kernels that take a few
+microseconds each; the model registers no hooks, so nothing is skipped but the lookups.
 """
 
 from __future__ import annotations
@@ -109,15 +115,16 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor, k: Kernels) -> Tensor:
-        return k.rms_norm(x, self.weight, self.eps)
+        return k.rms_norm(x, self._parameters["weight"], self.eps)
 
     def add_and_norm(self, x: Tensor, residual: Tensor | None,
                      k: Kernels) -> tuple[Tensor, Tensor]:
         """``residual += x`` (maybe in place), then normalise: returns (normed, residual).
         With no residual yet (the first layer) ``x`` starts the stream."""
+        weight = self._parameters["weight"]
         if residual is None:
-            return k.rms_norm(x, self.weight, self.eps), x
-        return k.add_rms_norm(x, residual, self.weight, self.eps)
+            return k.rms_norm(x, weight, self.eps), x
+        return k.add_rms_norm(x, residual, weight, self.eps)
 
 
 class LlamaAttention(nn.Module):
@@ -138,10 +145,11 @@ class LlamaAttention(nn.Module):
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionBackend,
                 k: Kernels) -> Tensor:
         t = x.shape[0]
-        q, key, value = k.rotary_qkv(self.qkv_proj(x), cos, sin, self.num_heads,
+        linears = self._modules
+        q, key, value = k.rotary_qkv(linears["qkv_proj"].forward(x), cos, sin, self.num_heads,
                                      self.num_kv_heads, self.head_dim)
         out = attn(self.layer_idx, q, key, value)
-        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+        return linears["o_proj"].forward(out.reshape(t, self.num_heads * self.head_dim))
 
 
 class LlamaMLP(nn.Module):
@@ -153,7 +161,8 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: Tensor, k: Kernels) -> Tensor:
-        return self.down_proj(k.silu_mul(self.gate_up_proj(x)))
+        linears = self._modules
+        return linears["down_proj"].forward(k.silu_mul(linears["gate_up_proj"].forward(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -174,10 +183,11 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(self, x: Tensor, residual: Tensor | None, cos: Tensor, sin: Tensor,
                 attn: AttentionBackend, k: Kernels) -> tuple[Tensor, Tensor]:
-        normed, residual = self.input_layernorm.add_and_norm(x, residual, k)
-        normed, residual = self.post_attention_layernorm.add_and_norm(
-            self.self_attn(normed, cos, sin, attn, k), residual, k)
-        return self.mlp(normed, k), residual
+        parts = self._modules
+        normed, residual = parts["input_layernorm"].add_and_norm(x, residual, k)
+        normed, residual = parts["post_attention_layernorm"].add_and_norm(
+            parts["self_attn"].forward(normed, cos, sin, attn, k), residual, k)
+        return parts["mlp"].forward(normed, k), residual
 
 
 # HF projection name -> (our fused module name, shard name).
