@@ -2,10 +2,8 @@
 
 A decode step streams every request's KV and every weight matrix from DRAM once. On 4 KiB
 pages each new page of those streams costs a TLB miss whose page walk also misses the caches;
-on 2 MiB pages that is gone. Measured on the 2-core VM, 30 layers of decode attention over 64
-rows of 640 tokens (same process, alternating; `benchmarks/attention_micro.py
---huge-pages-ab`): 61.0 vs 74.6 ms in a busy hour, 46.6 vs 47.5 ms in a quiet one; see
-docs/architecture.md, "Huge pages".
+on 2 MiB pages that is gone (`benchmarks/attention_micro.py --huge-pages-ab` measures it;
+numbers in docs/architecture.md, "Huge pages").
 
 Linux gives anonymous memory huge pages when the mapping is private and advised
 ``MADV_HUGEPAGE`` (with ``transparent_hugepage/enabled`` = ``madvise`` or ``always``; with

@@ -10,14 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from alignedserve.kernels import Kernels
-from alignedserve.kernels.linear import (PACKED_MAX_ROWS, PackedLinear, onednn_packing_supported,
-                                         pack_linears)
+from alignedserve.kernels.linear import PACKED_MAX_ROWS, PackedLinear, pack_linears
 from tests.model_utils import our_logits, ours_from_hf, tiny_hf_model
-
-pytestmark = pytest.mark.skipif(
-    not onednn_packing_supported(torch.empty(1, dtype=torch.bfloat16)),
-    reason="this torch has no oneDNN bf16 support")
-
 
 @pytest.mark.parametrize("rows", [1, 37, PACKED_MAX_ROWS, PACKED_MAX_ROWS + 1, 1100])
 @pytest.mark.parametrize("with_bias", [False, True])
@@ -80,19 +74,23 @@ def test_a_rows_result_does_not_depend_on_its_batch(compiled: Kernels, out_featu
         torch.set_num_threads(threads)
 
 
-def test_the_avx512_kernel_rejects_bad_inputs(compiled: Kernels) -> None:
-    if not compiled.avx512_bf16:
-        pytest.skip(f"the {compiled.path} path does not use the AVX512-BF16 linear")
+@pytest.mark.parametrize("kernel", ["avx512", "avx2"])
+def test_the_path_kernels_reject_bad_inputs(compiled: Kernels, kernel: str) -> None:
+    if not getattr(compiled, "avx512_bf16" if kernel == "avx512" else "avx2"):
+        pytest.skip(f"the {compiled.path} path does not use the {kernel} linear")
     ext = compiled.ext
+    pack, linear = getattr(ext, f"pack_weight_{kernel}"), getattr(ext, f"linear_{kernel}")
     weight = torch.randn(32, 64).bfloat16()
-    packed = ext.pack_weight_avx512(weight)
+    packed = pack(weight)
     x = torch.randn(4, 64).bfloat16()
     with pytest.raises(ValueError):
-        ext.linear_avx512(x[:, :32].contiguous(), packed, None)  # K does not match
+        linear(x[:, :32].contiguous(), packed, None)  # K does not match
     with pytest.raises(ValueError):
-        ext.linear_avx512(x.float(), packed, None)
+        linear(x.float(), packed, None)
     with pytest.raises(ValueError):
-        ext.linear_avx512(x, weight, None)  # not a packed weight
+        linear(x, weight, None)  # not a packed weight
     with pytest.raises(ValueError):
-        ext.linear_avx512(x, packed, torch.zeros(31))
-    assert ext.linear_avx512(x[:0], packed, None).shape == (0, 32)
+        linear(x, packed, torch.zeros(31))
+    with pytest.raises(ValueError):
+        pack(weight.float())
+    assert linear(x[:0], packed, None).shape == (0, 32)

@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = ("module.cpp", "attention.cpp", "fused.cpp", "prefill_attention.cpp",
            "prefill_attention_avx512.cpp", "prefill_attention_avx2.cpp", "small_gemm.cpp",
-           "linear_avx512.cpp")
+           "linear_avx512.cpp", "linear_avx2.cpp")
 _AVX512 = ["-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni"]
 # The compiler target of each path; isa._REQUIRED_FLAGS lists the CPU flags they imply.
 TARGET_FLAGS = {

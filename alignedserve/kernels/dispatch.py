@@ -11,8 +11,8 @@ What each path runs (see ``isa.py`` for the paths):
 ========================  ==========================  ==============  =============
 op                        amx                         avx512_bf16     avx2
 ========================  ==========================  ==============  =============
-linears (``linear.py``)   AMX tiles, oneDNN above     AVX512-BF16     oneDNN
-                          1024 rows (LM head: 128)    (any rows)      (prepacked)
+linears (``linear.py``)   AMX tiles, oneDNN above     AVX512-BF16     AVX2 FMA
+                          1024 rows (LM head: 128)    (any rows)      (any rows)
 prefill attention         AMX                         AVX512-BF16     AVX2
 decode attention          AMX over tiled bf16 caches, AVX-512 FMA     AVX2 (portable)
                           AVX-512 FMA otherwise

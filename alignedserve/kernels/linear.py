@@ -9,11 +9,12 @@ each batch size on its path (``Kernels.path``):
   (``AMX_MAX_ROWS_LM_HEAD`` for the 49k-wide LM head, where oneDNN catches up sooner), then
   oneDNN's prepacked call up to ``PACKED_MAX_ROWS``, then plain ``F.linear``;
 * ``avx512_bf16``: the AVX512-BF16 kernel (``csrc/linear_avx512.cpp``) at every row count;
-* ``avx2``: oneDNN prepacked up to ``PACKED_MAX_ROWS`` rows, plain ``F.linear`` above;
+* ``avx2``: the AVX2 FMA kernel (``csrc/linear_avx2.cpp``) at every row count (oneDNN has no
+  bf16 matmul below AVX512-BF16, and torch's fallback is far slower);
 * ``reference``, float32 weights, other devices: plain ``F.linear`` (float32 must stay
   bit-identical to transformers).
 
-The AMX and AVX512-BF16 kernels compute every output element as the same sequence of
+The AMX, AVX512-BF16 and AVX2 kernels compute every output element as the same sequence of
 products and sums whatever the batch, so a row's result does not depend on the rows beside
 it; oneDNN's blocking, and so its rounding, changes with the row count.
 """
@@ -48,7 +49,7 @@ class PackedLinear(nn.Module):
     """``y = x @ weight.T + bias`` for 2-D ``x`` through the kernel ``kernels`` picks per
     batch size (see the module docstring); N-D ``x`` takes ``F.linear``.
 
-    Invariant: ``tiles`` (the path's own kernel layout: AMX tiles or AVX512-BF16 blocks) and
+    Invariant: ``tiles`` (the path's own kernel layout: AMX tiles, AVX512-BF16 or AVX2 panels) and
     ``packed`` (oneDNN's) are ``weight`` reordered, each None where no batch size uses it, and
     never go stale: weights are frozen after loading. ``weight`` may be shared with another
     module (a tied LM head reads the embedding matrix).
@@ -72,8 +73,13 @@ class PackedLinear(nn.Module):
             self._kernel = ext.linear_avx512
             tiles = ext.pack_weight_avx512(weight.detach())
             self.kernel_max_rows = 1 << 62
+        elif kernels.avx2 and weight.dtype == torch.bfloat16 and weight.is_cpu:
+            self._kernel = ext.linear_avx2
+            tiles = ext.pack_weight_avx2(weight.detach())
+            self.kernel_max_rows = 1 << 62
         self.register_buffer("tiles", tiles, persistent=False)
-        self.packed_max_rows = PACKED_MAX_ROWS if self.kernel_max_rows < PACKED_MAX_ROWS else 0
+        self.packed_max_rows = (PACKED_MAX_ROWS if self.kernel_max_rows < PACKED_MAX_ROWS
+                                and onednn_packing_supported(weight) else 0)
         self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(
             weight.detach(), _PACK_HINT_ROWS) if self.packed_max_rows else None,
             persistent=False)
@@ -100,8 +106,12 @@ def pack_linears(model: nn.Module, kernels: Kernels) -> int:
     embedding matrix, so ``compute_logits`` takes the fast path too.
     """
     targets = [(name, mod) for name, mod in model.named_modules() if isinstance(mod, nn.Linear)]
-    if (kernels.ext is None or not targets
-            or not onednn_packing_supported(targets[0][1].weight)):
+    if kernels.ext is None or not targets:
+        return 0
+    weight = targets[0][1].weight
+    own_kernel = ((kernels.avx512_bf16 or kernels.avx2) and weight.dtype == torch.bfloat16
+                  and weight.is_cpu)
+    if not own_kernel and not onednn_packing_supported(weight):
         return 0
     try:
         for name, linear in targets:

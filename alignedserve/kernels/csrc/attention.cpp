@@ -373,9 +373,9 @@ inline void to_block_layout(const float* src, int64_t rows, int64_t dim, float s
 // So during an item's score pass a thread asks (into L2, a slice per score block) for
 //   * the next item's K, so the next score pass starts on cached rows, and
 //   * with 2- and 4-byte caches, this item's own V, so K and V stream from DRAM together and
-//     the P.V pass reads V from L2: bf16 30 layers x 64 varied rows 83-86 vs 90-93 ms;
+//     the P.V pass reads V from L2 (faster, measured with benchmarks/attention_micro.py);
 //   * with fp8 caches, the next item's V instead (fp8 is compute-bound, not bandwidth-bound:
-//     there prefetching the current V measured ~3% slower, the next item's rows 15-25% faster).
+//     there prefetching the current V measured slower, the next item's rows faster).
 // ----------------------------------------------------------------------------------------------
 
 constexpr int64_t kLine = 64;

@@ -16,6 +16,7 @@ void register_prefill_avx512(pybind11::module_& m);  // prefill_attention_avx512
 void register_prefill_avx2(pybind11::module_& m);    // prefill_attention_avx2.cpp
 void register_small_gemm(pybind11::module_& m);  // small_gemm.cpp: AMX small-batch linear
 void register_linear_avx512(pybind11::module_& m);  // linear_avx512.cpp: AVX512-BF16 linear
+void register_linear_avx2(pybind11::module_& m);    // linear_avx2.cpp: AVX2 FMA linear
 
 namespace {
 
@@ -47,4 +48,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   alignedserve::register_prefill_avx2(m);
   alignedserve::register_small_gemm(m);
   alignedserve::register_linear_avx512(m);
+  alignedserve::register_linear_avx2(m);
 }

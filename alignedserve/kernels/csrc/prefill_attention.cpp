@@ -131,8 +131,8 @@ void pack_queries(const Problem& P, int64_t i0, int64_t nq, int64_t head, uint32
 // taken over raw scores (scale > 0 keeps the order) and the scale is folded into the
 // exponent's FMA, so the scores are read twice and written never (except masked ones). The
 // max is always exact, never a stale upper guess: the dominant probability is then 1 and
-// survives the bf16 rounding of P (a stale max with 8 units of slack was ~10% faster and
-// doubled the error). The loops are unrolled so the max and sum chains stay in registers.
+// survives the bf16 rounding of P (a stale max with slack was faster, but doubled the
+// error). The loops are unrolled so the max and sum chains stay in registers.
 template <bool kMask>
 inline bool softmax_block(float* s, float* m, float* l, uint16_t* p, __m512& corr, __m512i qpos,
                           int64_t t0, float scale_log2) {
