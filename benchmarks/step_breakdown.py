@@ -8,6 +8,9 @@ and CacheConfig fields; 0/1 for booleans), e.g.
     python benchmarks/step_breakdown.py --workload varied kv_cache_dtype=fp8_e5m2
     python benchmarks/step_breakdown.py --workload uniform policy=fcfs max_num_batched_tokens=2048
     python benchmarks/step_breakdown.py --workload varied tiled_layout=0
+
+Per step kind it prints the steps' wall time, the part inside the forward pass, and the rest
+(scheduling, KV bookkeeping and copies, detokenizing), so policies can be compared.
 """
 
 from __future__ import annotations
@@ -67,7 +70,8 @@ def main() -> None:
         prompt = rng.integers(100, 40000, spec.prompt_len).tolist()
         engine.add_request(str(spec.index), prompt, SamplingParams(
             temperature=0.0, max_tokens=spec.output_len, ignore_eos=True))
-    totals = {"prefill": [0, 0.0], "mixed": [0, 0.0], "decode": [0, 0.0]}
+    # kind -> [steps, wall s, forward-pass s, copy-wait s, copied bytes]
+    totals = {k: [0, 0.0, 0.0, 0.0, 0] for k in ("prefill", "mixed", "decode")}
     full_steps: list[tuple[float, int]] = []
     start = time.perf_counter()
     while engine.has_unfinished():
@@ -76,8 +80,8 @@ def main() -> None:
         dt = time.perf_counter() - t
         rec = engine.stats.window[-1]
         kind = "decode" if not rec.prefill_tokens else "mixed" if rec.decode_rows else "prefill"
-        totals[kind][0] += 1
-        totals[kind][1] += dt
+        for i, value in enumerate((1, dt, rec.compute_s, rec.copy_wait_s, rec.copy_bytes)):
+            totals[kind][i] += value
         if kind == "decode" and rec.decode_rows == args.num_requests:
             full_steps.append((dt, sum(b.kv_tokens for b in rec.batches)))
     wall = time.perf_counter() - start
@@ -85,8 +89,12 @@ def main() -> None:
     outputs = sum(r.output_len for r in workload.requests)
     print(f"{args.workload} {' '.join(args.options)}: wall {wall:.1f} s, "
           f"{outputs / wall:.1f} output tok/s")
-    for kind, (steps, seconds) in totals.items():
-        print(f"  {kind:8s} steps {steps:5d}  {seconds:6.1f} s")
+    for kind, (steps, seconds, forward, copy_wait, copied) in totals.items():
+        # "other": the step outside the forward pass (scheduling, KV bookkeeping and copies,
+        # detokenizing, stats)
+        print(f"  {kind:8s} steps {steps:5d}  {seconds:6.1f} s  (forward {forward:6.1f} s, "
+              f"other {seconds - forward:5.2f} s, copy wait {copy_wait:5.2f} s, "
+              f"copied {copied / 2**20:7.1f} MiB)")
     if full_steps:
         print(f"  full decode steps ({args.num_requests} rows): {len(full_steps)}, mean "
               f"{1e3 * statistics.mean(d for d, _ in full_steps):.1f} ms, mean KV tokens "
