@@ -4,7 +4,7 @@ The engine is built and run in one background thread that owns it exclusively, s
 operation of the model happens on that thread. (OpenMP keeps a worker pool per thread that
 starts parallel regions; with a second pool alive, libgomp counts more threads than CPUs and
 stops spinning between regions, so each region starts by waking sleeping workers. Building in
-one thread and stepping in another cost 17-23% of throughput on 2 cores; docs/architecture.md.)
+one thread and stepping in another cost a large share of throughput; docs/architecture.md.)
 Callers on the event loop submit commands (add, abort) through a thread-safe queue; the engine
 thread applies them between steps and hands each RequestOutput back to the caller's
 asyncio.Queue with ``call_soon_threadsafe``. Every accepted request ends with a finished output

@@ -19,7 +19,7 @@ class SchedulerConfig:
 
     max_num_seqs: int = 256
     # 2048 rather than 1024: the projections' GEMMs run faster per row at 2048 rows on the CPU,
-    # and so did whole workloads in-process (docs/benchmarks.md).
+    # and so did whole workloads in-process (docs/results/, the fourth run).
     max_num_batched_tokens: int = 2048
     kv_reserve_tokens: int = 256
     align_tolerance: int = 2
@@ -30,7 +30,7 @@ class SchedulerConfig:
     # That pays only where decode pads a batch to its longest row (the simulator's padded and
     # grouped kernels, where `alignedserve simulate` defaults to 8); this engine's decode
     # attention reads each row's exact length, so a hold only delays the held cohort's tokens
-    # (measured on a served trace, docs/benchmarks.md): 0 = never hold.
+    # (measured on a served trace, docs/results/, the fifth run): 0 = never hold.
     catchup_window: int = 0
     max_wait_steps: int = 16  # a ready cohort waits at most this many steps before it has priority
     max_inflight: int = 4096  # requests admitted at once (their KV in device or host tiers)

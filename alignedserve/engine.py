@@ -4,6 +4,9 @@ Synchronous and single-threaded: callers (the offline ``LLM``, or ``AsyncEngine`
 thread) call ``add_request`` / ``abort_request`` between ``step()`` calls. A request with
 ``n > 1`` fans out into ``n`` independent sequences (ids ``"{id}#{i}"``) whose outputs are
 reported together under the caller's id.
+
+``add_request`` raises ``QueueFull`` (re-exported here, so callers above the engine need not
+reach into the scheduler) when the scheduler's bounded waiting queue is full.
 """
 
 from __future__ import annotations
@@ -19,12 +22,13 @@ import torch
 from alignedserve.config import EngineConfig, GiB
 from alignedserve.kernels import kernels_for_path, select_kernels
 from alignedserve.executor.kv_pool import KVPool
-from alignedserve.executor.runner import ModelExecutor
+from alignedserve.executor.runner import ModelRunner
 from alignedserve.kv.store import HOST, KVStore
 from alignedserve.model.loader import LoadedModel, load_model
 from alignedserve.outputs import CompletionOutput, IncrementalDetokenizer, RequestMetrics, RequestOutput
 from alignedserve.request import FinishReason, Request
 from alignedserve.sampling_params import SamplingParams
+from alignedserve.sched.interface import QueueFull  # noqa: F401  (part of the engine's API)
 from alignedserve.sched.registry import make_scheduler
 from alignedserve.stats import StepStats, record_step
 
@@ -107,7 +111,7 @@ class LLMEngine:
                  "tiled (AMX)" if tiled else "token-major")
         if cache.preallocate_kv:
             self._preallocate(pool, tier_devices)
-        self.executor = ModelExecutor(self.loaded, pool, self.device, config.seed)
+        self.executor = ModelRunner(self.loaded, pool, self.device, config.seed)
         self.scheduler = make_scheduler(config.policy, config.scheduler, self.store)
         self.stats = StepStats()
         self._groups: dict[str, _Group] = {}

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Side-by-side run: our policies and the peer engines, one server at a time, same client.
 #   PEERS=/path/to/peers benchmarks/run_side_by_side.sh OUTDIR [WORKLOAD...]
-# PEERS holds start_vllm.sh (port 8101) and start_llamacpp.sh (port 8102), installed as in
+# PEERS (default: $XDG_CACHE_HOME/alignedserve/peers, i.e. ~/.cache/alignedserve/peers) holds
+# start_vllm.sh (port 8101) and start_llamacpp.sh (port 8102), installed as in
 # ../shared/peers/README.md; missing ones are skipped. Targets: env TARGETS (default all); a
 # target NAME-fp8 (aligned-fp8, vllm-fp8, ...) runs NAME with an fp8 e5m2 KV cache, and
 # NAME-flat (aligned-flat, fcfs-flat) ours with token-major bf16 caches (--no-tiled-kv), and
@@ -13,7 +14,7 @@ set -uo pipefail
 OUT=${1:?output dir}; shift
 WORKLOADS=("$@"); [ ${#WORKLOADS[@]} -eq 0 ] && WORKLOADS=(varied uniform)
 TARGETS=${TARGETS:-"aligned fcfs static vllm llamacpp"}
-PEERS=${PEERS:-/work/peers}
+PEERS=${PEERS:-${XDG_CACHE_HOME:-$HOME/.cache}/alignedserve/peers}
 PY=${PY:-.venv/bin/python}
 N=${N:-64}
 

@@ -272,7 +272,8 @@ def idle_kv_bytes(engine: FakeEngine) -> dict[str, int]:
 def fake_app(settings_overrides: dict | None = None, **engine_kwargs):
     """(app, FakeEngine, AsyncEngine) with a server on a fresh FakeEngine."""
     from alignedserve.async_engine import AsyncEngine
-    from alignedserve.entrypoints.server import ServerSettings, build_app
+    from alignedserve.entrypoints.server import build_app
+    from alignedserve.entrypoints.server_state import ServerSettings
 
     engine = FakeEngine(**engine_kwargs)
     settings = ServerSettings(**{"model_names": ("fake-model",), "max_inflight": 512,

@@ -1,4 +1,5 @@
-"""Turn parsed ``alignedserve bench`` flags into a validated ``BenchConfig``.
+"""``BenchConfig``: a whole benchmark, and how parsed ``alignedserve bench`` flags become a
+validated one.
 
 Everything that can be wrong with the flags is reported here, before any model loads or
 request is sent: unknown policies, an unknown baseline, a missing trace, bad lengths.
@@ -9,16 +10,46 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from alignedserve.bench.metrics import SLO
 from alignedserve.bench.openai_stream import RequestOptions
-from alignedserve.bench.runner import BenchConfig
 from alignedserve.bench.targets import Target, parse_target, unique_labels
 from alignedserve.bench.traces import Selection, load_trace
 from alignedserve.bench.workloads import SYNTHETIC_PREFIX, Scaling, Workload, synthetic
+
+
+@dataclass(frozen=True, slots=True)
+class BenchConfig:
+    """A whole benchmark as parsed from the command line (see ``cli``)."""
+
+    targets: tuple[Target, ...]
+    workload: Workload
+    output_dir: Path
+    rates: tuple[float | None, ...] = (None,)
+    burstiness: float = 1.0
+    concurrency: int | None = None
+    duration_s: float | None = None
+    seed: int = 0
+    warmup: int = 1
+    rounds: int = 1
+    baseline: str | None = None
+    options: RequestOptions = field(default_factory=RequestOptions)
+    text_prompts: bool = False
+    token_range: str | None = None
+    tokenizer: str | None = None
+    slo: SLO = field(default_factory=SLO)
+    engine_config: Any = None  # EngineConfig for in-process targets (policy set per target)
+    model_name: str | None = None
+    api_key: str | None = None
+    request_timeout_s: float = 3600.0
+    plots: bool = True
+    show_progress: bool = True
+    command: str = ""
+
 
 DEFAULT_NUM_REQUESTS = 64
 _DURATION_POOL = 100_000  # requests prepared for a closed loop that runs for --duration

@@ -14,16 +14,14 @@ import platform
 import sys
 import traceback
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 from alignedserve.bench.arrivals import plan_arrivals
 from alignedserve.bench.client import TargetUnavailable
+from alignedserve.bench.config import BenchConfig
 from alignedserve.bench.load import Load
-from alignedserve.bench.metrics import SLO
-from alignedserve.bench.openai_stream import RequestOptions
 from alignedserve.bench.prompts import PromptFactory, TokenSpace, load_tokenizer
 from alignedserve.bench.records import RunResult
 from alignedserve.bench.report import (
@@ -35,36 +33,7 @@ from alignedserve.bench.report import (
     write_summary,
 )
 from alignedserve.bench.targets import Target
-from alignedserve.bench.workloads import Workload, describe
-
-
-@dataclass(frozen=True, slots=True)
-class BenchConfig:
-    """A whole benchmark as parsed from the command line (see ``cli``)."""
-
-    targets: tuple[Target, ...]
-    workload: Workload
-    output_dir: Path
-    rates: tuple[float | None, ...] = (None,)
-    burstiness: float = 1.0
-    concurrency: int | None = None
-    duration_s: float | None = None
-    seed: int = 0
-    warmup: int = 1
-    rounds: int = 1
-    baseline: str | None = None
-    options: RequestOptions = field(default_factory=RequestOptions)
-    text_prompts: bool = False
-    token_range: str | None = None
-    tokenizer: str | None = None
-    slo: SLO = field(default_factory=SLO)
-    engine_config: Any = None  # EngineConfig for in-process targets (policy set per target)
-    model_name: str | None = None
-    api_key: str | None = None
-    request_timeout_s: float = 3600.0
-    plots: bool = True
-    show_progress: bool = True
-    command: str = ""
+from alignedserve.bench.workloads import describe
 
 
 class _Engines:

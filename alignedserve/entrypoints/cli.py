@@ -1,4 +1,4 @@
-"""``alignedserve`` command line: generate (and, as they land, serve / bench / simulate)."""
+"""``alignedserve`` command line: generate, serve, bench, simulate, calibrate."""
 
 from __future__ import annotations
 

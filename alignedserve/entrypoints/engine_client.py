@@ -23,10 +23,10 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from starlette.types import Receive
 
 from alignedserve.async_engine import AsyncEngine, EngineDead, EngineOverloaded
+from alignedserve.engine import QueueFull
 from alignedserve.entrypoints.openai_errors import APIError, bad_request, overloaded, server_error
 from alignedserve.outputs import RequestOutput
 from alignedserve.sampling_params import SamplingParams
-from alignedserve.sched.interface import QueueFull
 
 log = logging.getLogger(__name__)
 RequestEndHook = Callable[[RequestOutput | None], None]

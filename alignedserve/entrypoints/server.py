@@ -17,69 +17,17 @@ import argparse
 import asyncio
 import logging
 import os
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+from alignedserve.entrypoints.server_state import ServerSettings, build_state
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
     from alignedserve.async_engine import AsyncEngine
-    from alignedserve.entrypoints.engine_client import EngineClient, ServerLifecycle
-    from alignedserve.entrypoints.openai_prepare import ModelInfo
-    from alignedserve.metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
 API_KEY_ENV = "ALIGNEDSERVE_API_KEY"
-
-
-@dataclass(frozen=True, slots=True)
-class ServerSettings:
-    """Server-level knobs (the engine has its own EngineConfig).
-
-    ``max_inflight`` bounds the sequences accepted and not yet finished (running + queued in
-    the engine); past it requests get 503 + Retry-After instead of an ever-growing queue.
-    """
-
-    model_names: tuple[str, ...]
-    api_key: str | None = None
-    max_inflight: int = 1280
-    max_body_bytes: int = 4 << 20
-    shutdown_grace_s: float = 30.0
-    retry_after_s: int = 1
-    owns_engine: bool = True  # shut the AsyncEngine down with the app
-
-
-@dataclass(slots=True)
-class ServerState:
-    """Everything the route handlers share, kept on ``app.state.server`` (not in globals)."""
-
-    settings: ServerSettings
-    engine: AsyncEngine
-    client: EngineClient
-    info: ModelInfo
-    metrics: ServerMetrics
-    lifecycle: ServerLifecycle
-
-
-def build_state(async_engine: AsyncEngine, settings: ServerSettings) -> ServerState:
-    from alignedserve.entrypoints.engine_client import Admission, EngineClient, ServerLifecycle
-    from alignedserve.entrypoints.openai_prepare import ModelInfo
-    from alignedserve.metrics import ServerMetrics
-
-    admission = Admission(settings.max_inflight)
-    lifecycle = ServerLifecycle(settings.shutdown_grace_s)
-
-    def server_gauges() -> dict[str, tuple[str, float]]:
-        return {"num_sequences_admitted": ("Sequences accepted by the server and not finished.",
-                                           admission.in_use),
-                "num_sequences_admitted_limit": ("The server's queue bound, in sequences.",
-                                                 admission.limit)}
-
-    metrics = ServerMetrics(settings.model_names[0], async_engine.engine, server_gauges)
-    client = EngineClient(async_engine, admission, lifecycle, metrics.observe_request_end,
-                          metrics.observe_rejected, settings.retry_after_s)
-    return ServerState(settings, async_engine, client, ModelInfo.of(async_engine.engine),
-                       metrics, lifecycle)
 
 
 def build_app(async_engine: AsyncEngine, settings: ServerSettings) -> FastAPI:

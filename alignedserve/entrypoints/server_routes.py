@@ -21,7 +21,7 @@ from alignedserve.entrypoints.serving_chat import create_chat_completion
 from alignedserve.entrypoints.serving_completions import create_completion
 
 if TYPE_CHECKING:
-    from alignedserve.entrypoints.server import ServerState
+    from alignedserve.entrypoints.server_state import ServerState
 
 
 def _state(request: Request) -> ServerState:

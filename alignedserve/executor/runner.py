@@ -1,4 +1,5 @@
-"""The real executor: turns a StepPlan into one forward pass of the model and samples."""
+"""``ModelRunner``: turns a StepPlan into one forward pass of the model and samples (the
+simulator's stand-in for it is ``sim/executor.py``)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from alignedserve.request import Request
 from alignedserve.sched.plan import SampledToken, StepOutput, StepPlan
 
 
-class ModelExecutor:
+class ModelRunner:
     """Executes plans on a loaded model; owns the KV tensors and the per-request RNGs."""
 
     def __init__(self, loaded: LoadedModel, pool: KVPool, device: torch.device, seed: int | None):

@@ -59,8 +59,8 @@ class SampleResult:
 
     token_ids: list[int]
     # Raw-model log-prob of each chosen token; None from the plain-greedy fast path, which is
-    # taken only when no row asked for logprobs (a 49k-wide logsumexp per row is ~3% of a
-    # 64-row decode step on CPU).
+    # taken only when no row asked for logprobs (a 49k-wide logsumexp per row is a visible
+    # share of a decode step on CPU).
     logprobs: list[float | None]
     # params.logprobs set: the top-N {token_id: logprob} plus the chosen token, in descending
     # logprob order; None otherwise.

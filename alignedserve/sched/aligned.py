@@ -26,8 +26,9 @@ host -> peer device over the peer's own link, then peer -> compute device over t
 Copy-aware pool: with a finite link budget (``prefetch_link_tokens`` > 0) the KV parked on the
 host is capped at ``prefetch_link_tokens * max_wait_steps`` tokens, the KV the link can rotate
 through the device within one waiting bound. Beyond that, fairness would demand more traffic
-than prefetch can hide and steps would wait on copies (the simulator measured 82-93% of time
-in copies for a 7B model on PCIe without the cap); new requests wait in the queue instead.
+than prefetch can hide and steps would wait on copies (the simulator shows steps spending
+most of their time in copies without the cap, docs/simulation.md); new requests wait in the
+queue instead.
 With an unlimited link (0, the default, e.g. on CPU where both tiers are RAM) there is no cap.
 
 Waiting bound: when device KV can hold the prefilling requests plus any one cohort and the host

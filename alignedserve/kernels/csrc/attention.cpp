@@ -37,9 +37,8 @@
 // FMA ports. Prefetching a few lines ahead inside a stream measured no gain over the hardware
 // prefetchers; requesting the next item's rows, and for bf16 this item's V during its score
 // pass, does help (see "Software prefetch" below). An AMX version of both products (scores as
-// K . Q^T tiles, P.V on bf16 P) was tried on the 2-core VM and was no faster cold (87-94 vs
-// 88-93 ms for 30 layers x 64 varied rows): tile stores, gathers out of token-major score
-// tiles and building V's pair layout per block cost what the FMAs did.
+// K . Q^T tiles, P.V on bf16 P) was tried and was no faster cold: tile stores, gathers out
+// of token-major score tiles and building V's pair layout per block cost what the FMAs did.
 
 // Narrow includes on purpose: <torch/extension.h> alone takes ~30 s to compile; these ~8 s.
 #include <ATen/Parallel.h>
@@ -417,8 +416,8 @@ struct Prefetcher {
 // ----------------------------------------------------------------------------------------------
 
 // Geometry of a head row: NC vectors of 16 floats. Known at compile time for the common head
-// dims (strides become constant address offsets: a runtime stride cost ~30% in register
-// spills); NC = 0 reads it at run time for the uncommon ones.
+// dims (strides become constant address offsets: a runtime stride costs register spills);
+// NC = 0 reads it at run time for the uncommon ones.
 template <int NC>
 struct RowShape {
   static constexpr int kCap = NC ? NC : kMaxChunks;  // capacity of per-row vector arrays
@@ -769,10 +768,9 @@ void run_items(const Problem& P, const Plan& plan) {
 //           four C tiles (64 dims) accumulate over the whole span.
 // The softmax between them (fp32, log2 domain) is vector code over each head's score row; P is
 // rounded to bf16 for the product, as the prefill kernel and torch's CPU flash attention do.
-// Against the FMA kernel on the token-major layout (30 layers x 64 varied rows, 2 threads):
-// 23.1 vs 18.8 GB/s of KV; a pure tile-load read of the same rows runs 25.2. Short rows gain
-// less (641-token rows 45.4 vs 50 ms) or lose (200-token rows ~21 vs 18 ms): each item then
-// starts cold streams, and its fixed costs (three passes, the V tail) weigh more.
+// Against the FMA kernel on the token-major layout it reads KV faster, close to a pure
+// tile-load read of the same rows (docs/results/). Short rows gain less or lose: each item
+// then starts cold streams, and its fixed costs (three passes, the V tail) weigh more.
 // ----------------------------------------------------------------------------------------------
 #ifdef ALIGNEDSERVE_AMX
 
@@ -867,7 +865,7 @@ void tiled_scores(const uint16_t* q, const uint16_t* k, int64_t n, int64_t padde
 // Pass 2: per head, softmax numerators 2^(scale * s - max) as bf16 into s.probs (0 past n);
 // the max (log2 domain) and the fp32 sum go to s.mx / s.sum. Needs qscale > 0. The
 // exponential is the prefill kernel's (amx::exp2_nonpos, relative error 2.9e-6 before P's
-// bf16 rounding): 30 layers x 64 rows of 641 tokens 38.9 vs 40.5 ms with the exact one.
+// bf16 rounding), cheaper than the exact one.
 void tiled_softmax(int64_t group, int64_t n, int64_t padded, float qscale, TiledScratch& s) {
   const __m512 masked = _mm512_set1_ps(amx::kMaskedScore), scale = _mm512_set1_ps(qscale);
   for (int64_t h = 0; h < group; ++h) {
@@ -953,11 +951,10 @@ void run_item_tiled(const Problem& P, const Item& it, TiledScratch& s, Prefetche
   finish_item(P, it, s.acc, s.mx, s.sum);
 }
 
-// Prefetch, measured on huge-page caches (30 layers x 64 rows, 2 threads, alternating runs):
-// the item's own V during its score rounds (as for token-major bf16: varied 70.9 vs 73.4 ms
-// on 4 KiB pages); the next item's whole K during the value rounds: 641-token rows 43.5 vs
-// 46.1 ms, varied 65-69 vs 69-71 ms. (On 4 KiB pages, asking for the next K, or for the next
-// round's lines into L1, had measured no gain.)
+// Prefetch, each measured faster on huge-page caches (alternating runs, docs/results/): the
+// item's own V during its score rounds (as for token-major bf16); the next item's whole K
+// during the value rounds. (On 4 KiB pages, asking for the next K, or for the next round's
+// lines into L1, had measured no gain.)
 void run_items_tiled(const Problem& P, const Plan& plan) {
   std::atomic<int64_t> next{0};
   const auto n_items = static_cast<int64_t>(plan.items.size());

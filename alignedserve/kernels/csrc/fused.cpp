@@ -45,7 +45,7 @@ namespace alignedserve {
 namespace {
 
 constexpr int64_t kLanes = 16;
-// Smallest per-thread chunk, in elements: below ~16K elements (~5 us) the fork/join costs
+// Smallest per-thread chunk, in elements: below this the fork/join costs
 // more than the second core saves, so small T (decode steps) stays single-threaded.
 constexpr int64_t kGrainElems = 16384;
 

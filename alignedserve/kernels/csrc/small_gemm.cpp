@@ -10,7 +10,7 @@
 //
 // Why: at decode shapes (tens of rows) a linear layer should stream its weight once at memory
 // speed, with the arithmetic hidden behind the loads. oneDNN's prepacked bf16 matmul reaches
-// 10-17 GB/s of weights here at 16-64 rows, neither the memory nor the compute bound. Here
+// neither the memory nor the compute bound at 16-64 rows (measured: docs/results/). Here
 // each thread takes a contiguous range of 32-column blocks (one sequential weight stream),
 // and per 32-deep step loads two 1 KiB weight tiles and multiplies them with the activation
 // tiles of up to 32 rows (four accumulator tiles). More rows repeat the pass over the same
@@ -165,7 +165,7 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed,
   const int64_t m_tiles = (M + kRows - 1) / kRows;
   const at::Tensor rows = x.stride(1) == 1 ? x : x.contiguous();  // only 1 row can be strided
   at::Tensor xp = rows;
-  if (M % kRows) {  // padded by hand: torch's zeros + copy_ cost ~7 us per call
+  if (M % kRows) {  // padded by hand: torch's zeros + copy_ cost more than the call
     xp = at::empty({m_tiles * kRows, K}, x.options());
     const auto* src = reinterpret_cast<const uint16_t*>(rows.data_ptr());
     auto* dst = reinterpret_cast<uint16_t*>(xp.data_ptr());
