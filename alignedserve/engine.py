@@ -30,7 +30,7 @@ from alignedserve.request import FinishReason, Request
 from alignedserve.sampling_params import SamplingParams
 from alignedserve.sched.interface import QueueFull  # noqa: F401  (part of the engine's API)
 from alignedserve.sched.registry import make_scheduler
-from alignedserve.stats import StepStats, record_step
+from alignedserve.step_stats import StepStats, record_step
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from alignedserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from alignedserve.stats import BatchRecord, StepRecord, StepStats
+from alignedserve.step_stats import BatchRecord, StepRecord, StepStats
 
 
 @dataclass

@@ -33,7 +33,7 @@ from alignedserve.outputs import (
     RequestOutput,
 )
 from alignedserve.sampling_params import SamplingParams
-from alignedserve.stats import BatchRecord, StepRecord, StepStats
+from alignedserve.step_stats import BatchRecord, StepRecord, StepStats
 
 EOS = 256
 VOCAB = 260

@@ -32,14 +32,13 @@ ALLOWED: dict[str, set[str]] = {
     "sched": {"kv", "request"},
     "model": {"kernels", "huge_pages"},
     "executor": {"model", "kernels", "huge_pages", "kv", "request", "sched"},
-    "stats": {"kv", "sched"},
-    "engine": {"executor", "model", "kernels", "kv", "request", "sched", "stats"},
+    "step_stats": {"kv", "sched"},
+    "engine": {"executor", "model", "kernels", "kv", "request", "sched", "step_stats"},
     "async_engine": {"engine"},
-    "metrics": {"engine", "stats"},
-    "entrypoints": {"async_engine", "engine", "metrics"},
+    "entrypoints": {"async_engine", "engine", "step_stats"},
     # research tools: may use the core and the model's config, and each other
-    "bench": {"engine", "entrypoints", "model", "sched", "kv", "request", "stats", "sim"},
-    "sim": {"bench", "engine", "model", "sched", "kv", "request", "stats"},
+    "bench": {"engine", "entrypoints", "model", "sched", "kv", "request", "step_stats", "sim"},
+    "sim": {"bench", "engine", "model", "sched", "kv", "request", "step_stats"},
 }
 # (layer, target) pairs allowed only inside a function: the CLI starts the tools on demand.
 LAZY_ONLY = {("entrypoints", "bench"), ("entrypoints", "sim")}

@@ -22,7 +22,7 @@ from alignedserve.sim.hardware import GiB, node_profile
 from alignedserve.sim.models import load_model_profile
 from alignedserve.sim.runner import simulate
 from alignedserve.sim.variants import parse_variants
-from alignedserve.stats import record_step
+from alignedserve.step_stats import record_step
 from tests.fakes import FakeExecutor
 
 POLICY_NAMES = sorted(POLICIES)

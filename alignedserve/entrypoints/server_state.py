@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from alignedserve.async_engine import AsyncEngine
     from alignedserve.entrypoints.engine_client import EngineClient, ServerLifecycle
     from alignedserve.entrypoints.openai_prepare import ModelInfo
-    from alignedserve.metrics import ServerMetrics
+    from alignedserve.entrypoints.prometheus_metrics import ServerMetrics
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,7 +49,7 @@ class ServerState:
 def build_state(async_engine: AsyncEngine, settings: ServerSettings) -> ServerState:
     from alignedserve.entrypoints.engine_client import Admission, EngineClient, ServerLifecycle
     from alignedserve.entrypoints.openai_prepare import ModelInfo
-    from alignedserve.metrics import ServerMetrics
+    from alignedserve.entrypoints.prometheus_metrics import ServerMetrics
 
     admission = Admission(settings.max_inflight)
     lifecycle = ServerLifecycle(settings.shutdown_grace_s)

@@ -29,7 +29,7 @@ from alignedserve.sched.registry import make_scheduler
 from alignedserve.sim.config import SimConfig
 from alignedserve.sim.costmodel import CostModel
 from alignedserve.sim.executor import SimulatedExecutor
-from alignedserve.stats import BatchRecord, StepRecord, StepStats
+from alignedserve.step_stats import BatchRecord, StepRecord, StepStats
 
 EOS_ID = 0  # the simulated sampler never emits it; outputs end by length (ignore_eos)
 MAX_IDLE_STEPS = 10_000  # consecutive steps without compute before declaring a livelock
