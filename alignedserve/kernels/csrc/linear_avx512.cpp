@@ -53,6 +53,8 @@
 #include <optional>
 #include <utility>
 
+#include "checks.h"
+
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define ALIGNEDSERVE_LINEAR_AVX512 1
 #include <immintrin.h>
@@ -63,7 +65,7 @@ namespace {
 
 constexpr int64_t kBlock = 16;          // output columns per zmm (fp32 lanes)
 constexpr int64_t kPanelBlocks = 4;     // blocks per panel: 64 columns
-constexpr int64_t kTrailer = 32;        // bf16 slots (64 bytes) after the panels
+constexpr int64_t kTrailer = checks::kTrailer;  // bf16 slots (64 bytes) after the panels
 constexpr int32_t kMagic = 0x4c415835;  // "5XAL": marks a tensor from pack_weight_avx512
 
 bool available() {
@@ -288,49 +290,17 @@ at::Tensor pack_weight_avx512(const at::Tensor& w) {
           *d++ = n < N && k < K ? s[n * K + k] : 0;
         }
   }
-  const int32_t meta[kTrailer / 2] = {kMagic, static_cast<int32_t>(N), static_cast<int32_t>(K)};
-  std::memcpy(d, meta, sizeof(meta));
+  checks::write_trailer(d, kMagic, N, K);
   return packed;
-}
-
-// N and K of a packed weight, checked against its size.
-std::pair<int64_t, int64_t> packed_shape(const at::Tensor& packed) {
-  TORCH_CHECK_VALUE(packed.dim() == 1 && packed.scalar_type() == at::kBFloat16 &&
-                        packed.device().is_cpu() && packed.is_contiguous() &&
-                        packed.numel() > kTrailer,
-                    "linear_avx512: packed must come from pack_weight_avx512");
-  int32_t meta[3];
-  std::memcpy(meta,
-              reinterpret_cast<const uint16_t*>(packed.data_ptr()) + packed.numel() - kTrailer,
-              sizeof(meta));
-  const int64_t N = meta[1], K = meta[2];
-  TORCH_CHECK_VALUE(meta[0] == kMagic && N > 0 && K > 0 &&
-                        packed.numel() ==
-                            ceil_div(N, kBlock) * kBlock * ceil_div(K, 2) * 2 + kTrailer,
-                    "linear_avx512: packed must come from pack_weight_avx512");
-  return {N, K};
 }
 
 at::Tensor linear_avx512(const at::Tensor& x, const at::Tensor& packed,
                          const std::optional<at::Tensor>& bias_opt) {
   TORCH_CHECK_VALUE(available(), "linear_avx512: this build has no AVX512-BF16 kernel");
-  const auto [N, K] = packed_shape(packed);
-  TORCH_CHECK_VALUE(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.device().is_cpu(),
-                    "linear_avx512: x must be a 2-d bf16 CPU tensor, got ", x.scalar_type(),
-                    " ", x.sizes());
-  TORCH_CHECK_VALUE(x.size(1) == K, "linear_avx512: x has ", x.size(1),
-                    " features, the weight takes ", K);
-  TORCH_CHECK_VALUE(x.size(0) <= 1 || x.stride(1) == 1 || K == 1,
-                    "linear_avx512: x's rows must be dense (stride(1) == 1)");
-  at::Tensor bias;
-  if (bias_opt.has_value() && bias_opt->defined()) {
-    bias = *bias_opt;
-    TORCH_CHECK_VALUE(bias.device().is_cpu() && bias.is_floating_point() && bias.numel() == N,
-                      "linear_avx512: bias must be a float CPU tensor of ", N,
-                      " elements, got ", bias.scalar_type(), " ", bias.sizes());
-    if (bias.scalar_type() != at::kBFloat16) bias = bias.to(at::kFloat);
-    bias = bias.contiguous();
-  }
+  const auto [N, K] = checks::packed_shape(packed, kMagic, kBlock, "linear_avx512",
+                                           "pack_weight_avx512");
+  checks::linear_input(x, K, "linear_avx512");
+  const at::Tensor bias = checks::linear_bias(bias_opt, N, "linear_avx512");
   const int64_t M = x.size(0);
   at::Tensor out = at::empty({M, N}, x.options());
 #ifdef ALIGNEDSERVE_LINEAR_AVX512

@@ -72,6 +72,8 @@
 #include <memory>
 #include <vector>
 
+#include "checks.h"
+
 #if defined(__AVX2__) && defined(__FMA__)
 #define ALIGNEDSERVE_PREFILL_AVX2 1
 #include <immintrin.h>
@@ -555,29 +557,9 @@ at::Tensor prefill_attention_avx2(const at::Tensor& q, const at::Tensor& k, cons
                                   int64_t start, double scale) {
   TORCH_CHECK(prefill_avx2_available(),
               "prefill_attention_avx2: this build has no AVX2 kernel");
-  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3,
-              "prefill_attention_avx2: q, k, v must be 3-d");
-  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 &&
-                  v.scalar_type() == at::kBFloat16, "prefill_attention_avx2: bf16 only");
-  TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(),
-              "prefill_attention_avx2: CPU tensors");
+  checks::prefill_inputs(q, k, v, start, scale, 8, "prefill_attention_avx2");
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2), KVH = k.size(0);
-  TORCH_CHECK(q.stride(2) == 1 && (H == 1 || q.stride(1) == D),
-              "prefill_attention_avx2: q heads must be dense within a token row");
-  TORCH_CHECK(D % 8 == 0 && D > 0 && D <= 256,
-              "prefill_attention_avx2: head_dim must be a multiple of 8 in [8, 256], got ", D);
-  TORCH_CHECK(KVH > 0 && H % KVH == 0,
-              "prefill_attention_avx2: heads must be a multiple of kv heads");
-  TORCH_CHECK(scale > 0 && scale < 1e6,
-              "prefill_attention_avx2: scale must be positive (and sane)");
-  TORCH_CHECK(v.sizes() == k.sizes() && k.size(2) == D,
-              "prefill_attention_avx2: k and v must both be [KVH, S, head_dim]");
-  TORCH_CHECK(k.stride(2) == 1 && (k.size(1) <= 1 || k.stride(1) == D),
-              "prefill_attention_avx2: k token rows must be dense");
-  TORCH_CHECK(v.stride(2) == 1 && (v.size(1) <= 1 || v.stride(1) == D),
-              "prefill_attention_avx2: v token rows must be dense");
   const int64_t S = k.size(1);
-  TORCH_CHECK(start >= 0 && S == start + T, "prefill_attention_avx2: need S == start + T");
   at::Tensor out = at::empty({T, H, D}, q.options());
 #ifdef ALIGNEDSERVE_PREFILL_AVX2
   if (T == 0) return out;
