@@ -97,18 +97,11 @@ class FcfsScheduler(BaseScheduler):
             self.running.append(request)
 
     def _admit_waiting(self, plan: StepPlan, budget: int) -> int:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
-            handle = self.store.allocate(self.device, self.initial_capacity(request))
-            if handle is None:
-                if not self.running and not self.swapped:
-                    self.waiting.popleft()
-                    self.fail_unfittable(request)
-                    continue
+        while budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.admit_head(self.waiting, self.initial_capacity,
+                                      alone=not self.running and not self.swapped)
+            if request is None:
                 break
-            self.waiting.popleft()
-            request.kv = handle
-            request.status = RequestStatus.RUNNING
             self.running.append(request)
             chunk = self.next_chunk(request, budget)
             assert chunk is not None

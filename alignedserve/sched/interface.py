@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections import deque
+from collections.abc import Callable
 from typing import Protocol
 
 from alignedserve.config import SchedulerConfig
@@ -182,6 +184,28 @@ class BaseScheduler:
             return True
         want = min(need + self.config.kv_reserve_tokens, request.max_total_tokens)
         return self.store.grow(request.kv, want) or self.store.grow(request.kv, need)
+
+    def admit_head(self, waiting: deque[Request], capacity: Callable[[Request], int],
+                   alone: bool) -> Request | None:
+        """Pop the head of ``waiting`` with ``capacity(head)`` tokens of device KV, mark it
+        running and return it; None when ``waiting`` is empty or the device has no room now.
+
+        ``alone`` says nothing else holds device KV: then a head that still does not fit never
+        will, so it is failed with an explicit error and the next head is tried.
+        """
+        while waiting:
+            request = waiting[0]
+            handle = self.store.allocate(self.device, capacity(request))
+            if handle is None:
+                if not alone:
+                    return None
+                waiting.popleft()
+                self.fail_unfittable(request)
+                continue
+            waiting.popleft()
+            request.kv, request.status = handle, RequestStatus.RUNNING
+            return request
+        return None
 
     def fail_unfittable(self, request: Request) -> None:
         """Finish a request whose KV can never fit on the device with an explicit error."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from alignedserve.request import Request, RequestStatus
+from alignedserve.request import Request
 from alignedserve.sched.interface import BaseScheduler
 from alignedserve.sched.plan import DecodeBatch, StepPlan
 
@@ -56,16 +56,9 @@ class StaticScheduler(BaseScheduler):
 
     def _admit_batch(self) -> None:
         self._batch_ids += 1
-        while self.waiting and len(self.batch) < self.config.max_num_seqs:
-            request = self.waiting[0]
-            handle = self.store.allocate(self.device, request.max_total_tokens)
-            if handle is None:
-                if not self.batch:
-                    self.waiting.popleft()
-                    self.fail_unfittable(request)
-                    continue
+        while len(self.batch) < self.config.max_num_seqs:
+            request = self.admit_head(self.waiting, lambda r: r.max_total_tokens,
+                                      alone=not self.batch)
+            if request is None:
                 break
-            self.waiting.popleft()
-            request.kv = handle
-            request.status = RequestStatus.RUNNING
             self.batch.append(request)
