@@ -22,6 +22,7 @@ it; oneDNN's blocking, and so its rounding, changes with the row count.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +44,16 @@ def onednn_packing_supported(weight: Tensor) -> bool:
             and torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
             and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def path_linear(kernels: Kernels, weight: Tensor) -> tuple[Callable, Callable] | None:
+    """(kernel, packer) of the path's own any-row-count linear (AVX512-BF16 or AVX2) for a
+    bf16 CPU ``weight``; None where the path has none (AMX, reference) or the weight does not
+    qualify."""
+    name = "avx512" if kernels.avx512_bf16 else "avx2" if kernels.avx2 else None
+    if name is None or weight.dtype != torch.bfloat16 or not weight.is_cpu:
+        return None
+    return getattr(kernels.ext, f"linear_{name}"), getattr(kernels.ext, f"pack_weight_{name}")
 
 
 class PackedLinear(nn.Module):
@@ -69,13 +80,9 @@ class PackedLinear(nn.Module):
             self._kernel = ext.amx_linear
             tiles = ext.pack_weight(weight.detach())
             self.kernel_max_rows = AMX_MAX_ROWS_LM_HEAD if lm_head else AMX_MAX_ROWS
-        elif kernels.avx512_bf16 and weight.dtype == torch.bfloat16 and weight.is_cpu:
-            self._kernel = ext.linear_avx512
-            tiles = ext.pack_weight_avx512(weight.detach())
-            self.kernel_max_rows = 1 << 62
-        elif kernels.avx2 and weight.dtype == torch.bfloat16 and weight.is_cpu:
-            self._kernel = ext.linear_avx2
-            tiles = ext.pack_weight_avx2(weight.detach())
+        elif (own := path_linear(kernels, weight)) is not None:
+            self._kernel, pack = own
+            tiles = pack(weight.detach())
             self.kernel_max_rows = 1 << 62
         self.register_buffer("tiles", tiles, persistent=False)
         self.packed_max_rows = (PACKED_MAX_ROWS if self.kernel_max_rows < PACKED_MAX_ROWS
@@ -109,9 +116,7 @@ def pack_linears(model: nn.Module, kernels: Kernels) -> int:
     if kernels.ext is None or not targets:
         return 0
     weight = targets[0][1].weight
-    own_kernel = ((kernels.avx512_bf16 or kernels.avx2) and weight.dtype == torch.bfloat16
-                  and weight.is_cpu)
-    if not own_kernel and not onednn_packing_supported(weight):
+    if path_linear(kernels, weight) is None and not onednn_packing_supported(weight):
         return 0
     try:
         for name, linear in targets:
