@@ -51,8 +51,8 @@ class CacheConfig:
     host_kv_gb: float = 8.0
     num_devices: int = 1
     granularity: int = 16
-    # Lay bf16 caches out in AMX tile blocks (alignedserve.kernels.kv_layout) on the amx kernel
-    # path where head_dim is 64; False keeps every cache token-major.
+    # Lay bf16 caches out in bf16-pair blocks (alignedserve.kernels.kv_layout) on the amx and
+    # avx512_bf16 kernel paths where head_dim is 64; False keeps every cache token-major.
     tiled_layout: bool = True
     # Fault in the device tiers' KV budget at start-up where it is CPU memory (capped at half
     # the free RAM), as vLLM reserves its KV cache, so no request waits on page faults; the

@@ -1,8 +1,10 @@
 """The tiled bf16 KV layout (alignedserve.kernels.kv_layout) and the kernels that read it.
 
 The layout helpers are pure PyTorch and always tested; the compiled writer on every compiled
-path. The AMX decode path and the prefill kernel's tiled input run on the amx path only and
-are skipped, saying why, on CPUs without AMX-BF16 (the engine then keeps caches token-major).
+path. The tiled decode kernel runs on the paths that read tiled caches (amx: tile products;
+avx512_bf16: vdpbf16ps), each skipped, saying why, on CPUs without it (the avx2 path keeps
+caches token-major). The prefill kernel reads the tiled planes itself on amx; on avx512_bf16
+the kernel layer hands it a token-major copy.
 """
 
 from __future__ import annotations
@@ -53,12 +55,20 @@ def test_element_offsets_are_the_documented_ones():
             assert flat[offset(t, d)] == tokens[0, t, d]
 
 
-@pytest.fixture(scope="module", params=kernel_path_params(("amx",)))
-def ext(request):
-    """The AMX path's build (the only one that reads tiled caches)."""
+TILED_PATHS = ("amx", "avx512_bf16")
+
+
+@pytest.fixture(scope="module", params=kernel_path_params(TILED_PATHS))
+def tiled_kernels(request) -> Kernels:
+    """A path whose decode kernel reads tiled caches."""
     kernels = kernels_for_path(request.param)
-    assert kernels.amx, "the amx path loaded without its AMX kernels"
-    return kernels.ext
+    assert kernels.amx == (request.param == "amx"), "the amx path loaded without AMX kernels"
+    return kernels
+
+
+@pytest.fixture(scope="module")
+def ext(tiled_kernels: Kernels):
+    return tiled_kernels.ext
 
 
 def test_compiled_writer_matches_layout(compiled: Kernels):
@@ -143,23 +153,25 @@ def test_tiled_decode_rejects_what_it_cannot_take(ext):
 
 
 @pytest.mark.parametrize("start,count", [(0, 100), (0, 700), (37, 500), (1024, 1023), (900, 77)])
-def test_prefill_kernel_reads_tiled_planes(ext, start, count):
+def test_prefill_kernel_reads_tiled_planes(tiled_kernels: Kernels, start, count):
     """Bit-identical to the kernel on the same values laid out token-major."""
     gen = torch.Generator().manual_seed(start + count)
     stop = start + count
     keys = random_bf16(KV_HEADS, stop, DIM, gen=gen)
     values = random_bf16(KV_HEADS, stop, DIM, gen=gen)
     cache = random_bf16(LAYERS, 2, KV_HEADS, kv_layout.round_up(stop + 20), DIM, gen=gen)
-    ext.write_tiled(cache, 1, keys.transpose(0, 1), values.transpose(0, 1), 0)
+    tiled_kernels.write_tiled(cache, 1, keys.transpose(0, 1), values.transpose(0, 1), 0)
     q = random_bf16(count, HEADS, DIM, gen=gen)
     hi = kv_layout.round_up(stop)
-    got = ext.prefill_attention(q, cache[1, 0, :, :hi], cache[1, 1, :, :hi], start, 0.125, True)
-    assert torch.equal(got, ext.prefill_attention(q, keys, values, start, 0.125))
+    got = tiled_kernels.prefill_attention(q, cache[1, 0, :, :hi], cache[1, 1, :, :hi], start,
+                                          0.125, tiled=True)
+    assert torch.equal(got, tiled_kernels.prefill_attention(q, keys, values, start, 0.125))
 
 
 def test_engine_uses_tiled_caches_only_where_they_apply(compiled: Kernels):
     cpu = torch.device("cpu")
-    assert compiled.tiled_kv_applies(torch.bfloat16, 64, 16, cpu) == (compiled.path == "amx")
+    assert compiled.tiled_kv_applies(torch.bfloat16, 64, 16, cpu) == (
+        compiled.path in TILED_PATHS)
     assert not compiled.tiled_kv_applies(torch.float32, 64, 16, cpu)
     assert not compiled.tiled_kv_applies(torch.float8_e5m2, 64, 16, cpu)
     assert not compiled.tiled_kv_applies(torch.bfloat16, 128, 16, cpu)

@@ -5,8 +5,9 @@ row. Linear layers run once over all of them; attention runs per prefill chunk (
 request's cache, causal: the path's prefill kernel, ``Kernels.prefill_attention``, where it
 applies, torch's SDPA otherwise) and over all decode rows at once (one kernel call that
 appends each row's new K/V and attends over exactly that row's length: no padding).
-With ``tiled`` caches (``kv_layout``) a chunk is stored by ``write_tiled``, the AMX prefill
-kernel reads the tiled planes itself, and SDPA gets a token-major copy (``kv_layout.read``).
+With ``tiled`` caches (``kv_layout``) a chunk is stored by ``write_tiled``; the AMX prefill
+kernel reads the tiled planes itself, the other prefill kernels and SDPA get the earlier
+chunks' K/V as a token-major copy (``kv_layout.read``) followed by the chunk's own.
 """
 
 from __future__ import annotations
@@ -73,12 +74,15 @@ class StepAttention:
         k_cache, v_cache = seg.cache[layer, 0], seg.cache[layer, 1]  # [kv_heads, cap, dim]
         if self.tiled:
             self.kernels.write_tiled(seg.cache, layer, k, v, seg.start)
-            if self._use_kernel:  # the kernel reads the planes' whole 16-token blocks
-                hi = kv_layout.round_up(stop)
+            if self._use_kernel and self.kernels.prefill_reads_tiled:
+                hi = kv_layout.round_up(stop)  # the kernel reads the planes' whole blocks
                 return self.kernels.prefill_attention(q, k_cache[:, :hi], v_cache[:, :hi],
                                                       seg.start, self.scale, tiled=True)
-            keys = kv_layout.read(k_cache, stop, kv_layout.KEYS)
-            values = kv_layout.read(v_cache, stop, kv_layout.VALUES)
+            # Token-major K/V: the earlier chunks' from the planes, this chunk's as computed.
+            keys = _token_major(k_cache, seg.start, k, kv_layout.KEYS)
+            values = _token_major(v_cache, seg.start, v, kv_layout.VALUES)
+            if self._use_kernel:
+                return self.kernels.prefill_attention(q, keys, values, seg.start, self.scale)
         else:
             k_cache[:, seg.start:stop].copy_(k.transpose(0, 1))
             v_cache[:, seg.start:stop].copy_(v.transpose(0, 1))
@@ -88,3 +92,10 @@ class StepAttention:
             if self._use_kernel:
                 return self.kernels.prefill_attention(q, keys, values, seg.start, self.scale)
         return reference.prefill_attention(q, keys, values, self.scale, self._masks[i])
+
+
+def _token_major(plane: torch.Tensor, start: int, fresh: torch.Tensor,
+                 shape: kv_layout.BlockShape) -> torch.Tensor:
+    """Positions [0, start) of a tiled ``plane`` ([kv_heads, capacity, dim]) followed by
+    ``fresh`` ([T, kv_heads, dim]), as one dense token-major [kv_heads, start + T, dim]."""
+    return torch.cat([kv_layout.read(plane, start, shape), fresh.transpose(0, 1)], dim=1)

@@ -7,7 +7,7 @@ process, which implementation runs each op on this CPU.
 * ``dispatch`` — `Kernels`, the ops of one path, and `select_kernels`;
 * ``linear`` — `PackedLinear`, linear layers with weights prepared for the path;
 * ``reference`` — the PyTorch semantics every compiled op implements;
-* ``kv_layout`` — the tiled bf16 KV-cache layout the AMX decode kernel reads.
+* ``kv_layout`` — the tiled bf16 KV-cache layout the AMX and AVX512-BF16 decode kernels read.
 
 Nothing here imports the model, the executor or the engine: they import this. The package
 itself imports nothing heavy until a name is used (the CLI reads ``isa.PATHS`` without

@@ -14,8 +14,10 @@ op                        amx                         avx512_bf16     avx2
 linears (``linear.py``)   AMX tiles, oneDNN above     AVX512-BF16     AVX2 FMA
                           1024 rows (LM head: 128)    (any rows)      (any rows)
 prefill attention         AMX                         AVX512-BF16     AVX2
-decode attention          AMX over tiled bf16 caches, AVX-512 FMA     AVX2 (portable)
-                          AVX-512 FMA otherwise
+decode attention          AMX over tiled bf16         AVX512-BF16     AVX2 (portable)
+                          caches, AVX-512 FMA         over tiled bf16
+                          otherwise                   caches, AVX-512
+                                                      FMA otherwise
 norms, RoPE, SiLU·up,     AVX-512                     AVX-512         AVX2 (portable)
 argmax
 ========================  ==========================  ==============  =============
@@ -36,7 +38,7 @@ from types import ModuleType
 import torch
 from torch import Tensor
 
-from alignedserve.kernels import isa, reference
+from alignedserve.kernels import isa, kv_layout, reference
 from alignedserve.kernels.build import load_extension
 from alignedserve.kernels.kv_layout import CAPACITY_MULTIPLE
 
@@ -176,10 +178,18 @@ class Kernels:
 
     def tiled_kv_applies(self, dtype: torch.dtype, head_dim: int, granularity: int,
                          device: torch.device) -> bool:
-        """Whether KV caches of this kind use ``kv_layout``'s tiled layout: the AMX path,
-        bf16 on CPU, head_dim 64, capacities in multiples of 16."""
-        return (self.amx and dtype == _BF16 and head_dim == 64 and device.type == "cpu"
+        """Whether KV caches of this kind use ``kv_layout``'s tiled layout: the AMX and
+        AVX512-BF16 paths (their decode kernels take pairs of bf16 straight from it), bf16 on
+        CPU, head_dim 64, capacities in multiples of 16."""
+        return ((self.amx or self.avx512_bf16) and dtype == _BF16 and head_dim == 64
+                and device.type == "cpu"
                 and granularity % CAPACITY_MULTIPLE == 0)
+
+    @property
+    def prefill_reads_tiled(self) -> bool:
+        """Whether `prefill_attention` reads tiled planes itself (AMX) rather than through a
+        token-major copy."""
+        return self.amx
 
     def prefill_kernel_applies(self, q: Tensor) -> bool:
         """Whether `prefill_attention` takes chunks with queries like ``q`` (bf16 on CPU, a
@@ -193,12 +203,17 @@ class Kernels:
     def prefill_attention(self, q: Tensor, keys: Tensor, values: Tensor, start: int,
                           scale: float, tiled: bool = False) -> Tensor:
         """Causal attention of queries q [T, H, D] at positions start.. over keys / values
-        [KVH, start + T, D] (token-major), or a tiled cache's K and V planes (``tiled``,
-        AMX only); SDPA's semantics with a bottom-right causal mask and GQA. A query's
-        result depends only on its own position's keys and values, not on how the prompt
-        was cut into chunks. Call only where `prefill_kernel_applies`."""
+        [KVH, start + T, D] (token-major), or a tiled cache's K and V planes (``tiled``:
+        [KVH, start + T rounded up to 16, D]); SDPA's semantics with a bottom-right causal
+        mask and GQA. A query's result depends only on its own position's keys and values,
+        not on how the prompt was cut into chunks. Call only where
+        `prefill_kernel_applies`."""
         if self.amx:
             return self.ext.prefill_attention(q, keys, values, start, scale, tiled)
+        if tiled:  # only the AMX kernel reads tiled planes itself (prefill_reads_tiled)
+            stop = start + q.shape[0]
+            keys = kv_layout.read(keys, stop, kv_layout.KEYS)
+            values = kv_layout.read(values, stop, kv_layout.VALUES)
         if self.avx512_bf16:
             return self.ext.prefill_attention_avx512(q, keys, values, start, scale)
         return self.ext.prefill_attention_avx2(q, keys, values, start, scale)

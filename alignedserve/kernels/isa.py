@@ -5,9 +5,10 @@ A *path* names one build of the compiled kernels and the rules for what runs whe
 * ``amx`` — Intel AMX-BF16 tiles (Sapphire Rapids and later): tile-based small-batch linears,
   prefill attention, and decode attention over tiled bf16 caches;
 * ``avx512_bf16`` — AVX-512 with ``vdpbf16ps`` (AMD Zen 4/5, Intel Cooper Lake and the AMX
-  parts): AVX-512 linears, prefill and decode attention, fused elementwise ops;
-* ``avx2`` — AVX2 + FMA (any x86-64 server of the last decade): the portable kernels compiled
-  for AVX2, oneDNN/PyTorch linears and SDPA prefill;
+  parts): ``vdpbf16ps`` linears, prefill attention and decode attention over tiled bf16
+  caches, AVX-512 fused elementwise ops;
+* ``avx2`` — AVX2 + FMA (any x86-64 server of the last decade): AVX2 FMA linears and prefill
+  attention, the portable kernels compiled for AVX2;
 * ``reference`` — PyTorch only, no compiled code (any CPU, and every non-CPU device).
 
 ``PATHS`` lists them best first; a CPU supports a path and every path after it. The path in

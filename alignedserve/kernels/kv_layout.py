@@ -1,4 +1,4 @@
-"""The tiled layout of bf16 KV caches, read by the AMX decode kernel.
+"""The tiled layout of bf16 KV caches, read by the AMX and AVX512-BF16 decode kernels.
 
 A tiled cache keeps the shape ``[layers, 2, kv_heads, capacity, head_dim]`` (capacity a
 multiple of 16); only the order of the elements inside each kv head's ``[capacity, head_dim]``
@@ -7,9 +7,10 @@ plane changes, and only within small token blocks:
 * **K** (index 0): blocks of 16 tokens, each stored ``[head_dim / 2][16 tokens][2 dims]``;
 * **V** (index 1): pairs of tokens, each stored ``[head_dim][2 tokens]``.
 
-These are the "B" operands of AMX's bf16 tile product (pairs of the summed dimension side by
-side), so the decode kernel (``alignedserve/kernels/csrc/attention.cpp``) streams K blocks and V
-pairs from the cache straight into tiles: one score tile is 16 tokens of a head, with no
+Pairs of the summed dimension sit side by side, as both bf16 product instructions take them
+(AMX's tile product, where these are its "B" operands, and AVX512-BF16's ``vdpbf16ps``), so the
+decode kernel (``alignedserve/kernels/csrc/attention.cpp``) streams K blocks and V pairs from the
+cache straight into the products: 16 tokens of a head's scores come out together, with no
 reshuffling per step. Whole blocks stay where the token-major layout has them, so slicing a
 plane by multiples of 16 tokens (growing a cache, copying it between tiers) works unchanged.
 

@@ -1,5 +1,6 @@
 // Shared Intel AMX set-up for the kernels that use tiles (attention.cpp's tiled decode path,
-// prefill_attention.cpp, small_gemm.cpp), and the two attention paths' softmax exponential.
+// prefill_attention.cpp, small_gemm.cpp), and the softmax exponential of the attention paths
+// with bf16 probabilities (AMX and AVX512-BF16).
 // Include it unconditionally: it defines ALIGNEDSERVE_AMX where the compiler targets AMX-BF16
 // (-march=native on Sapphire Rapids and later), the tile helpers only there, and
 // amx::available() everywhere.
@@ -14,6 +15,10 @@
 #endif
 
 #include <cstdint>
+
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+#include <immintrin.h>
+#endif
 
 namespace alignedserve::amx {
 
@@ -47,8 +52,13 @@ inline void configure_tiles() {
   _tile_loadconfig(&cfg);
 }
 
-// Softmax numerators for the attention kernels' tile paths (decode in attention.cpp, prefill in
-// prefill_attention.cpp), whose probabilities are rounded to bf16 for the P.V tile product.
+#endif  // ALIGNEDSERVE_AMX
+
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+
+// Softmax numerators for the attention paths whose probabilities are rounded to bf16 for a bf16
+// P.V product (AMX tiles or AVX512-BF16 dot products): tiled decode in attention.cpp, prefill in
+// prefill_attention.cpp. Needs AVX-512F/DQ only, so it is defined on every AVX-512 build.
 //
 // 2^x for x <= 0 (scores minus their max): 2^floor(x) * q(x - floor(x)), with q a degree-4
 // polynomial fitted to 2^f on [0, 1) for relative error (2.9e-6, far below the bf16 rounding
@@ -69,7 +79,7 @@ inline __m512 exp2_nonpos(__m512 x) {
 // its probability is exactly 0.
 constexpr float kMaskedScore = -1e30f;
 
-#endif  // ALIGNEDSERVE_AMX
+#endif  // __AVX512F__ && __AVX512DQ__
 
 // Whether the AMX kernels can run: built for AMX-BF16 and tile state granted by the OS.
 inline bool available() {

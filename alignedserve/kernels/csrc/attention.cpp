@@ -11,9 +11,9 @@
 //   returns  : [B, heads, head_dim] in q's dtype (bf16 written directly, no fp32 pass).
 //   For every row b the new K/V land at cache[b][layer, 0/1, :, pos[b]], then query head h
 //   attends over positions 0..pos[b] of kv head h / (heads / kv_heads), in fp32 arithmetic.
-//   tiled = true: bf16 caches in the AMX tile layout of alignedserve/executor/kv_layout.py
-//   (capacity % 16 == 0, head_dim 64), handled by the AMX path further down; q and the
-//   probabilities are then rounded to bf16 for the tile products.
+//   tiled = true: bf16 caches in the tile layout of alignedserve/kernels/kv_layout.py
+//   (capacity % 16 == 0, head_dim 64), read with AMX tiles or AVX512-BF16 dot products
+//   (further down); q and the probabilities are then rounded to bf16 for the products.
 //
 // Work decomposition: one work item is (row, kv head, token span). All query heads of a GQA
 // group are handled by the same item so each K/V row is read from memory once. Items are
@@ -758,39 +758,32 @@ void run_items(const Problem& P, const Plan& plan) {
 }
 
 // ----------------------------------------------------------------------------------------------
-// Tiled bf16 caches on AMX (layout: alignedserve/executor/kv_layout.py). Each kv head's
-// [capacity, 64] plane keeps K in 16-token blocks stored [32 dim pairs][16 tokens][2] and V in
-// token pairs stored [64 dims][2 tokens]: exactly the B operands of the two tile products, so
-// both stream from the cache into tiles with no reshuffling:
-//   scores  S = Q . K^T : A = the group's query rows (G x 32 dims, bf16), B = one K block half
-//           (16 dim pairs x 16 tokens); one C tile row holds one head's 16 scores;
-//   values  O = P . V   : A = P (G heads x 32 tokens, bf16), B = 16 token pairs x 16 dims;
-//           four C tiles (64 dims) accumulate over the whole span.
-// The softmax between them (fp32, log2 domain) is vector code over each head's score row; P is
-// rounded to bf16 for the product, as the prefill kernel and torch's CPU flash attention do.
-// Against the FMA kernel on the token-major layout it reads KV faster, close to a pure
-// tile-load read of the same rows (docs/results/). Short rows gain less or lose: each item
-// then starts cold streams, and its fixed costs (three passes, the V tail) weigh more.
+// Tiled bf16 caches (layout: alignedserve/kernels/kv_layout.py). Each kv head's [capacity, 64]
+// plane keeps K in 16-token blocks stored [32 dim pairs][16 tokens][2] and V in token pairs
+// stored [64 dims][2 tokens]: pairs of the summed dimension side by side, which is what both
+// bf16 product instructions take, so K blocks and V pairs stream from the cache with no
+// reshuffling per step. Two implementations of the same three passes:
+//   * AMX tiles (AMX-BF16 CPUs):
+//       scores  S = Q . K^T : A = the group's query rows (G x 32 dims, bf16), B = one K block
+//               half (16 dim pairs x 16 tokens); one C tile row holds one head's 16 scores;
+//       values  O = P . V   : A = P (G heads x 32 tokens, bf16), B = 16 token pairs x 16 dims;
+//               four C tiles (64 dims) accumulate over the whole span.
+//   * AVX512-BF16 dot products (vdpbf16ps, CPUs without AMX): one K block row is the 16 tokens'
+//     values of one dim pair, so a head's 16 scores are 32 dot-product steps against its
+//     broadcast q pair, with no horizontal sums (the token-major kernel above spends nearly as
+//     many instructions on its transpose-and-add folds as on its products, plus the widening);
+//     one V pair is four vectors of 16 (dim, token pair) lanes, multiplied by the broadcast
+//     pair of probabilities. Used where AMX is not (built for AVX512-BF16, or not granted).
+// The softmax between the products (fp32, log2 domain) is vector code over each head's score
+// row; q and P are rounded to bf16 for the products, as the prefill kernels and torch's CPU
+// flash attention do. Short rows gain less: each item then starts cold streams, and its fixed
+// costs (three passes, the V tail) weigh more.
 // ----------------------------------------------------------------------------------------------
-#ifdef ALIGNEDSERVE_AMX
+#if defined(__AVX512BF16__)
 
-constexpr int64_t kTiledDim = 64;   // head_dim of the tiled path: two 32-dim A/B tiles
-constexpr int64_t kKeyBlock = 16;   // tokens per K block: one score tile's columns
-constexpr int64_t kPairBlock = 32;  // tokens per P.V product: the bf16 pair depth
-
-// Tiles 0-1: G rows (Q halves, then P); 2-3: 16 rows (K, then V); 4-7: G rows (scores, then
-// the four O accumulators). One configuration for both products, loaded once per call.
-void configure_tiled_tiles(int64_t group) {
-  amx::TileConfig cfg;
-  const uint8_t rows[8] = {uint8_t(group), uint8_t(group), 16, 16,
-                           uint8_t(group), uint8_t(group), uint8_t(group), uint8_t(group)};
-  for (int i = 0; i < 8; ++i) {
-    cfg.rows[i] = rows[i];
-    cfg.colsb[i] = 64;
-  }
-  asm volatile("" ::: "memory");  // see amx::configure_tiles
-  _tile_loadconfig(&cfg);
-}
+constexpr int64_t kTiledDim = 64;   // head_dim of the tiled layout (two 32-dim tiles)
+constexpr int64_t kKeyBlock = 16;   // tokens per K block: one score tile / vector
+constexpr int64_t kPairBlock = 32;  // tokens per P.V round (a tile's pair depth)
 
 // Per-thread buffers, 64-byte aligned, sized for the longest span.
 struct TiledScratch {
@@ -822,6 +815,57 @@ struct TiledScratch {
     acc = reinterpret_cast<float*>(parts[3]);
   }
 };
+
+// Pass 2: per head, softmax numerators 2^(scale * s - max) as bf16 into s.probs (0 past n);
+// the max (log2 domain) and the fp32 sum go to s.mx / s.sum. Needs qscale > 0. The
+// exponential is the prefill kernel's (amx::exp2_nonpos, relative error 2.9e-6 before P's
+// bf16 rounding), cheaper than the exact one.
+void tiled_softmax(int64_t group, int64_t n, int64_t padded, float qscale, TiledScratch& s) {
+  const __m512 masked = _mm512_set1_ps(amx::kMaskedScore), scale = _mm512_set1_ps(qscale);
+  for (int64_t h = 0; h < group; ++h) {
+    float* row = s.scores + h * padded;
+    const int64_t tail = n / kLanes * kLanes;
+    if (tail < n) {
+      const auto valid = static_cast<__mmask16>((1u << (n - tail)) - 1);
+      const __m512 scores = _mm512_load_ps(row + tail);
+      _mm512_store_ps(row + tail, _mm512_mask_blend_ps(valid, masked, scores));
+    }
+    for (int64_t t = (n + kLanes - 1) / kLanes * kLanes; t < padded; t += kLanes) {
+      _mm512_store_ps(row + t, masked);
+    }
+    __m512 m = masked;
+    for (int64_t t = 0; t < padded; t += kLanes) m = _mm512_max_ps(m, _mm512_load_ps(row + t));
+    const float mx = _mm512_reduce_max_ps(m) * qscale;
+    const __m512 mv = _mm512_set1_ps(mx);
+    __m512 sum = _mm512_setzero_ps();
+    uint16_t* p = s.probs + h * padded;
+    for (int64_t t = 0; t < padded; t += 2 * kLanes) {
+      const __m512 lo = amx::exp2_nonpos(_mm512_fmsub_ps(_mm512_load_ps(row + t), scale, mv));
+      const __m512 hi =
+          amx::exp2_nonpos(_mm512_fmsub_ps(_mm512_load_ps(row + t + kLanes), scale, mv));
+      sum = _mm512_add_ps(sum, _mm512_add_ps(lo, hi));
+      _mm512_store_si512(p + t, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
+    }
+    s.mx[h] = mx;
+    s.sum[h] = _mm512_reduce_add_ps(sum);
+  }
+}
+
+#ifdef ALIGNEDSERVE_AMX
+
+// Tiles 0-1: G rows (Q halves, then P); 2-3: 16 rows (K, then V); 4-7: G rows (scores, then
+// the four O accumulators). One configuration for both products, loaded once per call.
+void configure_tiled_tiles(int64_t group) {
+  amx::TileConfig cfg;
+  const uint8_t rows[8] = {uint8_t(group), uint8_t(group), 16, 16,
+                           uint8_t(group), uint8_t(group), uint8_t(group), uint8_t(group)};
+  for (int i = 0; i < 8; ++i) {
+    cfg.rows[i] = rows[i];
+    cfg.colsb[i] = 64;
+  }
+  asm volatile("" ::: "memory");  // see amx::configure_tiles
+  _tile_loadconfig(&cfg);
+}
 
 // Pass 1: raw scores q.k of the span's n tokens into s.scores[h * padded + t] (t < n rounded
 // up to 16; the rest unwritten). Two K blocks per round into score tiles 4 and 5.
@@ -862,41 +906,6 @@ void tiled_scores(const uint16_t* q, const uint16_t* k, int64_t n, int64_t padde
   }
 }
 
-// Pass 2: per head, softmax numerators 2^(scale * s - max) as bf16 into s.probs (0 past n);
-// the max (log2 domain) and the fp32 sum go to s.mx / s.sum. Needs qscale > 0. The
-// exponential is the prefill kernel's (amx::exp2_nonpos, relative error 2.9e-6 before P's
-// bf16 rounding), cheaper than the exact one.
-void tiled_softmax(int64_t group, int64_t n, int64_t padded, float qscale, TiledScratch& s) {
-  const __m512 masked = _mm512_set1_ps(amx::kMaskedScore), scale = _mm512_set1_ps(qscale);
-  for (int64_t h = 0; h < group; ++h) {
-    float* row = s.scores + h * padded;
-    const int64_t tail = n / kLanes * kLanes;
-    if (tail < n) {
-      const auto valid = static_cast<__mmask16>((1u << (n - tail)) - 1);
-      const __m512 scores = _mm512_load_ps(row + tail);
-      _mm512_store_ps(row + tail, _mm512_mask_blend_ps(valid, masked, scores));
-    }
-    for (int64_t t = (n + kLanes - 1) / kLanes * kLanes; t < padded; t += kLanes) {
-      _mm512_store_ps(row + t, masked);
-    }
-    __m512 m = masked;
-    for (int64_t t = 0; t < padded; t += kLanes) m = _mm512_max_ps(m, _mm512_load_ps(row + t));
-    const float mx = _mm512_reduce_max_ps(m) * qscale;
-    const __m512 mv = _mm512_set1_ps(mx);
-    __m512 sum = _mm512_setzero_ps();
-    uint16_t* p = s.probs + h * padded;
-    for (int64_t t = 0; t < padded; t += 2 * kLanes) {
-      const __m512 lo = amx::exp2_nonpos(_mm512_fmsub_ps(_mm512_load_ps(row + t), scale, mv));
-      const __m512 hi =
-          amx::exp2_nonpos(_mm512_fmsub_ps(_mm512_load_ps(row + t + kLanes), scale, mv));
-      sum = _mm512_add_ps(sum, _mm512_add_ps(lo, hi));
-      _mm512_store_si512(p + t, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
-    }
-    s.mx[h] = mx;
-    s.sum[h] = _mm512_reduce_add_ps(sum);
-  }
-}
-
 // Pass 3: s.acc[h][d] = sum_t p[h][t] v[t][d] over the span, 32 tokens per round; `pf` asks
 // for a slice of the thread's next item per round.
 void tiled_values(const uint16_t* v, int64_t n, int64_t padded, TiledScratch& s,
@@ -933,9 +942,115 @@ void tiled_values(const uint16_t* v, int64_t n, int64_t padded, TiledScratch& s,
   _tile_stored(6, s.acc + 32, kTiledDim * 4);
   _tile_stored(7, s.acc + 48, kTiledDim * 4);
 }
+#endif  // ALIGNEDSERVE_AMX
+
+// A vector of 32 bf16 (16 pairs) as the dot-product instruction's operand type.
+inline __m512bh as_pairs(__m512i x) { return reinterpret_cast<__m512bh>(x); }
+
+// Scores of NB consecutive 16-token K blocks for NH heads: lane t of a head's vector is
+// sum over dim pairs j of q[h][pair j] . K[t][pair j]. `q` holds each head's 32 pairs as words.
+template <int NH, int NB>
+inline void dp_score_blocks(const uint32_t* q, const uint16_t* kb, float* scores,
+                            int64_t padded) {
+  __m512 acc[NB][NH];
+  for (auto& block : acc) {
+    for (__m512& a : block) a = _mm512_setzero_ps();
+  }
+  for (int j = 0; j < kTiledDim / 2; ++j) {
+    for (int b = 0; b < NB; ++b) {
+      // Row j of block b: the block's 16 tokens' values of dim pair j (32 bf16).
+      const __m512bh keys =
+          as_pairs(_mm512_loadu_si512(kb + b * kKeyBlock * kTiledDim + j * 2 * kKeyBlock));
+      for (int h = 0; h < NH; ++h) {
+        acc[b][h] = _mm512_dpbf16_ps(acc[b][h], keys, as_pairs(_mm512_set1_epi32(
+                                                              static_cast<int>(q[h * 32 + j]))));
+      }
+    }
+  }
+  for (int b = 0; b < NB; ++b) {
+    for (int h = 0; h < NH; ++h) _mm512_storeu_ps(scores + h * padded + b * kKeyBlock, acc[b][h]);
+  }
+}
+
+// Pass 1 with dot products: raw scores as tiled_scores writes them. Heads go in chunks of up
+// to 8 (two blocks' accumulators in registers); the K of later chunks comes from L1/L2.
+void dp_scores(const uint16_t* q, const uint16_t* k, int64_t n, int64_t padded, int64_t group,
+               TiledScratch& s, Prefetcher& pf) {
+  const auto* qw = reinterpret_cast<const uint32_t*>(q);
+  const int64_t blocks = (n + kKeyBlock - 1) / kKeyBlock;
+  constexpr int kMaxHeads = 8;
+  for (int64_t h0 = 0; h0 < group; h0 += kMaxHeads) {
+    const int nh = static_cast<int>(std::min<int64_t>(kMaxHeads, group - h0));
+    with_head_count<kMaxHeads>(nh, [&](auto heads) {
+      constexpr int NH = decltype(heads)::value;
+      const uint32_t* qh = qw + h0 * kTiledDim / 2;
+      float* out = s.scores + h0 * padded;
+      int64_t b = 0;
+      // A partial last block is read in place, as on the AMX path (see tiled_scores).
+      for (; b + 1 < blocks; b += 2) {
+        if (h0 == 0) {
+          pf.step();
+          pf.step();
+        }
+        dp_score_blocks<NH, 2>(qh, k + b * kKeyBlock * kTiledDim, out + b * kKeyBlock, padded);
+      }
+      if (b < blocks) {
+        dp_score_blocks<NH, 1>(qh, k + b * kKeyBlock * kTiledDim, out + b * kKeyBlock, padded);
+      }
+    });
+  }
+}
+
+// acc[h][16c + i] += P[h][pair] . V[pair][dim 16c + i] over one V pair (64 dims x 2 tokens,
+// four vectors); `keep` masks out a pair's second token past the span (0 * NaN is NaN).
+template <int NH>
+inline void dp_value_pair(const uint32_t* p, int64_t p_stride, const uint16_t* vp,
+                          __mmask32 keep, __m512 (&acc)[NH][4]) {
+  __m512bh rows[4];
+  for (int c = 0; c < 4; ++c) {
+    rows[c] = as_pairs(_mm512_maskz_loadu_epi16(keep, vp + c * 2 * kLanes));
+  }
+  for (int h = 0; h < NH; ++h) {
+    const __m512bh w = as_pairs(_mm512_set1_epi32(static_cast<int>(p[h * p_stride])));
+    for (int c = 0; c < 4; ++c) acc[h][c] = _mm512_dpbf16_ps(acc[h][c], rows[c], w);
+  }
+}
+
+// Pass 3 with dot products: s.acc[h][d] = sum_t p[h][t] v[t][d] over the span's (n + 1) / 2
+// token pairs. Heads go in chunks of up to 6 (24 accumulators in registers).
+void dp_values(const uint16_t* v, int64_t n, int64_t padded, int64_t group, TiledScratch& s,
+               Prefetcher& pf) {
+  const auto* probs = reinterpret_cast<const uint32_t*>(s.probs);  // pairs of bf16
+  const int64_t pairs = n / 2, p_stride = padded / 2;
+  constexpr int kMaxHeads = 6;
+  for (int64_t h0 = 0; h0 < group; h0 += kMaxHeads) {
+    const int nh = static_cast<int>(std::min<int64_t>(kMaxHeads, group - h0));
+    with_head_count<kMaxHeads>(nh, [&](auto heads) {
+      constexpr int NH = decltype(heads)::value;
+      const uint32_t* p = probs + h0 * p_stride;
+      __m512 acc[NH][4];
+      for (auto& head : acc) {
+        for (__m512& a : head) a = _mm512_setzero_ps();
+      }
+      for (int64_t i = 0; i < pairs; ++i) {
+        if (h0 == 0 && i % (kPairBlock / 2) == 0) pf.step();
+        dp_value_pair<NH>(p + i, p_stride, v + i * 2 * kTiledDim, ~__mmask32{0}, acc);
+      }
+      if (n % 2) {  // the last token alone: keep the even (first-token) halves of its pair
+        dp_value_pair<NH>(p + pairs, p_stride, v + pairs * 2 * kTiledDim, 0x55555555u, acc);
+      }
+      for (int h = 0; h < NH; ++h) {
+        for (int c = 0; c < 4; ++c) {
+          _mm512_storeu_ps(s.acc + (h0 + h) * kTiledDim + c * kLanes, acc[h][c]);
+        }
+      }
+    });
+  }
+}
 
 // One item: the score pass asks for the item's own V (`scores_pf`), the value pass for the
 // thread's next item's K (`values_pf`), so a pass rarely starts on a cold stream.
+template <bool kAmx>
 void run_item_tiled(const Problem& P, const Item& it, TiledScratch& s, Prefetcher& scores_pf,
                     Prefetcher& values_pf) {
   const int64_t n = it.end - it.begin;
@@ -945,21 +1060,33 @@ void run_item_tiled(const Problem& P, const Item& it, TiledScratch& s, Prefetche
   // is also where its K block and its V pair start.
   const auto [k, v] = item_rows<uint16_t>(P, it);
   const uint16_t* q = P.q_bf16 + it.row * P.q_row + it.kv_head * P.group * kTiledDim;
-  tiled_scores(q, k, n, padded, s, scores_pf);
+#ifdef ALIGNEDSERVE_AMX
+  if constexpr (kAmx) {
+    tiled_scores(q, k, n, padded, s, scores_pf);
+    tiled_softmax(P.group, n, padded, P.qscale, s);
+    tiled_values(v, n, padded, s, values_pf);
+    finish_item(P, it, s.acc, s.mx, s.sum);
+    return;
+  }
+#endif
+  dp_scores(q, k, n, padded, P.group, s, scores_pf);
   tiled_softmax(P.group, n, padded, P.qscale, s);
-  tiled_values(v, n, padded, s, values_pf);
+  dp_values(v, n, padded, P.group, s, values_pf);
   finish_item(P, it, s.acc, s.mx, s.sum);
 }
 
 // Prefetch, each measured faster on huge-page caches (alternating runs, docs/results/): the
 // item's own V during its score rounds (as for token-major bf16); the next item's whole K
 // during the value rounds. (On 4 KiB pages, asking for the next K, or for the next round's
-// lines into L1, had measured no gain.)
+// lines into L1, had measured no gain.) kAmx: tile products (needs amx::available()).
+template <bool kAmx>
 void run_items_tiled(const Problem& P, const Plan& plan) {
   std::atomic<int64_t> next{0};
   const auto n_items = static_cast<int64_t>(plan.items.size());
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-    configure_tiled_tiles(P.group);
+#ifdef ALIGNEDSERVE_AMX
+    if constexpr (kAmx) configure_tiled_tiles(P.group);
+#endif
     TiledScratch scratch(P.group, plan.max_span);
     for (int64_t i = next.fetch_add(1); i < n_items;) {
       const Item& it = plan.items[i];
@@ -971,14 +1098,17 @@ void run_items_tiled(const Problem& P, const Plan& plan) {
         values_pf.add(item_rows<uint16_t>(P, nx).first, (nx.end - nx.begin) * kTiledDim * 2,
                       (it.end - it.begin + kPairBlock - 1) / kPairBlock);
       }
-      run_item_tiled(P, it, scratch, scores_pf, values_pf);
+      run_item_tiled<kAmx>(P, it, scratch, scores_pf, values_pf);
       i = following;
     }
-    _tile_release();
+#ifdef ALIGNEDSERVE_AMX
+    if constexpr (kAmx) _tile_release();
+#endif
   });
 }
 
-#endif  // ALIGNEDSERVE_AMX
+#endif  // __AVX512BF16__
+
 
 // Compile-time vector counts for the common head dims let the compiler keep q and the
 // accumulators in registers; bf16 rows use the cheaper pairwise widening when dim % 32 == 0.
@@ -1101,6 +1231,16 @@ void check_cache(const at::Tensor& c, at::ScalarType dtype, int64_t kv_heads, in
                      c.size(3));
 }
 
+// Whether this build reads tiled caches: with AMX tiles where the OS grants them, else with
+// AVX512-BF16 dot products.
+constexpr bool tiled_kernel_built() {
+#if defined(__AVX512BF16__)
+  return true;
+#else
+  return false;
+#endif
+}
+
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_new,
                             const at::Tensor& v_new, const std::vector<at::Tensor>& caches,
                             const at::Tensor& positions, int64_t layer, double scale,
@@ -1113,7 +1253,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_new,
                          dtype == at::kFloat8_e5m2,
                      "caches must be bfloat16, float32 or float8_e5m2");
   if (tiled) {
-    ALIGNEDSERVE_CHECK(amx::available(), "tiled caches need AMX-BF16, not available here");
+    ALIGNEDSERVE_CHECK(tiled_kernel_built(), "tiled caches need AVX512-BF16 or AMX-BF16; this "
+                       "build has neither");
     ALIGNEDSERVE_CHECK(dtype == at::kBFloat16 && dim == 64 && scale > 0 &&
                            heads / kv_heads <= 16,
                        "tiled caches are bf16 with head_dim 64, at most 16 heads per kv head");
@@ -1173,8 +1314,12 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_new,
   P.part_ml = part_ml.data_ptr<float>();
 
   if (tiled) {
-#ifdef ALIGNEDSERVE_AMX
-    run_items_tiled(P, plan);
+#if defined(__AVX512BF16__)
+    if (amx::available()) {
+      run_items_tiled<true>(P, plan);
+    } else {
+      run_items_tiled<false>(P, plan);
+    }
 #endif
   } else if (dtype == at::kFloat) {
     run_for_dim<float>(P, plan);

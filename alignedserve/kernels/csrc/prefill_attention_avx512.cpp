@@ -58,6 +58,7 @@
 #include <limits>
 #include <vector>
 
+#include "amx.h"  // exp2_nonpos, kMaskedScore (defined on every AVX-512 build)
 #include "checks.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
@@ -75,23 +76,10 @@ constexpr int kB = 128;    // keys per block, blocks aligned to absolute positio
 constexpr int kStep = 16;  // the last block is cut after the 16 keys holding the item's last query
 constexpr int kMaxBatch = 3;  // query heads per register block
 constexpr float kLog2e = 1.4426950408889634f;
-// Raw score of a key in a query's future: finite (exp2_nonpos needs finite input) yet far
-// below any real score, so it never wins the max and its probability is exactly +0.
-constexpr float kMaskedScore = -1e30f;
-
-// 2^x for x <= 0: 2^floor(x) * q(x - floor(x)), q a degree-4 polynomial fitted to 2^f on
-// [0, 1) for relative error (far below the bf16 rounding of P; q(0) = 1 exactly, so the
-// dominant probability of a row is exactly 1). vreduceps gives x - floor(x), vscalefps
-// applies 2^floor(x). Finite x only.
-inline __m512 exp2_nonpos(__m512 x) {
-  const __m512 f = _mm512_reduce_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  __m512 q = _mm512_set1_ps(0.013426604680716991f);
-  q = _mm512_fmadd_ps(q, f, _mm512_set1_ps(0.05224260315299034f));
-  q = _mm512_fmadd_ps(q, f, _mm512_set1_ps(0.24128015339374542f));
-  q = _mm512_fmadd_ps(q, f, _mm512_set1_ps(0.6930448412895203f));
-  q = _mm512_fmadd_ps(q, f, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(q, x);
-}
+// The softmax exponential and the masked score shared with the AMX kernels (amx.h): 2^x for
+// x <= 0 with q(0) = 1 exactly, so the dominant probability of a row is exactly 1.
+using amx::exp2_nonpos;
+using amx::kMaskedScore;
 
 // Lanes of cvtne2ps_pbh(b, a) (a0..a15, b0..b15) reordered to pairs (a0, b0, a1, b1, ...).
 inline __m512i pair_interleave() {
