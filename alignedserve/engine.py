@@ -19,11 +19,12 @@ from dataclasses import dataclass
 
 import torch
 
-from alignedserve.config import EngineConfig, GiB
+from alignedserve.config import CacheConfig, EngineConfig, GiB
 from alignedserve.kernels import kernels_for_path, select_kernels
 from alignedserve.executor.kv_pool import KVPool
 from alignedserve.executor.runner import ModelRunner
 from alignedserve.kv.store import HOST, KVStore
+from alignedserve.model.config import ModelConfig
 from alignedserve.model.loader import LoadedModel, load_model
 from alignedserve.outputs import CompletionOutput, IncrementalDetokenizer, RequestMetrics, RequestOutput
 from alignedserve.request import FinishReason, Request
@@ -95,11 +96,20 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings,
                                  mc.max_position_embeddings)
         self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
-        cache = config.cache
-        self.store = KVStore.for_devices(cache.device_bytes(), cache.host_bytes(),
-                                         mc.kv_bytes_per_token(self.kv_dtype.itemsize),
-                                         cache.granularity)
-        tier_devices = {t: self._tier_device(i) for i, t in enumerate(self.store.device_tiers)}
+        self.store, pool = self._build_kv(config.cache, mc)
+        self.executor = ModelRunner(self.loaded, pool, self.device, config.seed)
+        self.scheduler = make_scheduler(config.policy, config.scheduler, self.store)
+        self.stats = StepStats()
+        self._groups: dict[str, _Group] = {}
+        self._seq_group: dict[str, _Group] = {}
+
+    def _build_kv(self, cache: CacheConfig, mc: ModelConfig) -> tuple[KVStore, KVPool]:
+        """The KV bookkeeping (scheduler side) and the tensors that mirror it (runner side):
+        one tier per device plus the host, in the layout the kernel path reads fastest."""
+        store = KVStore.for_devices(cache.device_bytes(), cache.host_bytes(),
+                                    mc.kv_bytes_per_token(self.kv_dtype.itemsize),
+                                    cache.granularity)
+        tier_devices = {t: self._tier_device(i) for i, t in enumerate(store.device_tiers)}
         tier_devices[HOST] = torch.device("cpu")
         tiled = cache.tiled_layout and all(
             self.kernels.tiled_kv_applies(self.kv_dtype, mc.head_dim, cache.granularity, d)
@@ -107,20 +117,16 @@ class LLMEngine:
         pool = KVPool(tier_devices, mc.num_layers, mc.num_kv_heads, mc.head_dim, self.kv_dtype,
                       tiled)
         log.info("kernels: %s path; KV cache: %s, %s layout", self.kernels.path,
-                 str(self.kv_dtype).removeprefix("torch."),
-                 "tiled (AMX)" if tiled else "token-major")
+                 str(self.kv_dtype).removeprefix("torch."), "tiled" if tiled else "token-major")
         if cache.preallocate_kv:
-            self._preallocate(pool, tier_devices)
-        self.executor = ModelRunner(self.loaded, pool, self.device, config.seed)
-        self.scheduler = make_scheduler(config.policy, config.scheduler, self.store)
-        self.stats = StepStats()
-        self._groups: dict[str, _Group] = {}
-        self._seq_group: dict[str, _Group] = {}
+            self._preallocate(store, pool, tier_devices)
+        return store, pool
 
-    def _preallocate(self, pool: KVPool, tier_devices: dict[str, torch.device]) -> None:
+    def _preallocate(self, store: KVStore, pool: KVPool,
+                     tier_devices: dict[str, torch.device]) -> None:
         """Fault in the CPU device tiers' KV budget, at most half the free RAM."""
-        budget = sum(self.store.total(t) for t in self.store.device_tiers
-                     if tier_devices[t].type == "cpu") * self.store.bytes_per_token
+        budget = sum(store.total(t) for t in store.device_tiers
+                     if tier_devices[t].type == "cpu") * store.bytes_per_token
         free_ram = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         start = time.perf_counter()
         reserved = pool.preallocate(min(budget, free_ram // 2))
@@ -205,7 +211,7 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         out = self.executor.execute(plan)
         touched = self.scheduler.update(plan, out)
-        self.stats.add(record_step(plan, out, self.store))
+        self.stats.add(record_step(plan, out, self.store), time.monotonic())
         affected = {id(g): g for g in self._finish_sequences(touched)}
         for seq_id in plan.finished_request_ids:  # failed or finished without a new token
             if (group := self._seq_group.get(seq_id)) is not None:

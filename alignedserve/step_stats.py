@@ -45,6 +45,12 @@ class StepRecord:
     copy_wait_s: float
     copy_bytes: int
     device_kv_used: float  # fraction of the device tier(s) in use after the step
+    first_tokens: int = 0  # prefill chunks that completed a prompt (each sampled a token)
+
+    @property
+    def output_tokens(self) -> int:
+        """Tokens sampled by the step: one per decode row and per completed prompt."""
+        return self.decode_rows + self.first_tokens
 
     @property
     def bubble_fraction(self) -> float:
@@ -64,7 +70,8 @@ def record_step(plan: StepPlan, out: StepOutput, store: KVStore) -> StepRecord:
     used = sum(store.used(t) for t in devices)
     return StepRecord(plan.step_id, sum(c.num_tokens for c in plan.prefills),
                       sum(b.rows for b in batches), tuple(batches), out.compute_s,
-                      out.copy_wait_s, out.copy_bytes, used / total if total else 0.0)
+                      out.copy_wait_s, out.copy_bytes, used / total if total else 0.0,
+                      sum(1 for c in plan.prefills if c.sample))
 
 
 @dataclass(slots=True)
@@ -72,6 +79,8 @@ class StepStats:
     """A bounded window of recent step records plus running totals since start."""
 
     window: deque[StepRecord] = field(default_factory=lambda: deque(maxlen=4096))
+    # (end time, output tokens) of recent steps, for rates over wall time (times given to add)
+    timeline: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=8192))
     steps: int = 0
     prefill_tokens: int = 0
     decode_tokens: int = 0
@@ -81,8 +90,10 @@ class StepStats:
     copy_wait_s: float = 0.0
     copy_bytes: int = 0
 
-    def add(self, rec: StepRecord) -> None:
+    def add(self, rec: StepRecord, end_time: float | None = None) -> None:
         self.window.append(rec)
+        if end_time is not None:
+            self.timeline.append((end_time, rec.output_tokens))
         self.steps += 1
         self.prefill_tokens += rec.prefill_tokens
         self.decode_tokens += rec.decode_rows
@@ -91,6 +102,12 @@ class StepStats:
         self.compute_s += rec.compute_s
         self.copy_wait_s += rec.copy_wait_s
         self.copy_bytes += rec.copy_bytes
+
+    def output_tokens_per_s(self, now: float, span_s: float) -> float:
+        """Output tokens per second over the ``span_s`` seconds before ``now`` (timeline
+        clock); safe to call from another thread while steps are added."""
+        recent = [n for t, n in tuple(self.timeline) if now - span_s <= t <= now]
+        return sum(recent) / span_s if span_s > 0 else 0.0
 
     @property
     def bubble_fraction(self) -> float:

@@ -7,7 +7,9 @@
 # target NAME-fp8 (aligned-fp8, vllm-fp8, ...) runs NAME with an fp8 e5m2 KV cache, and
 # NAME-flat (aligned-flat, fcfs-flat) ours with token-major bf16 caches (--no-tiled-kv), and
 # aligned-arrival the aligned policy admitting in arrival order (--admission fcfs), and
-# NAME-4k ours with KV caches and weights on 4 KiB pages (ALIGNEDSERVE_HUGE_PAGES=0).
+# NAME-4k ours with KV caches and weights on 4 KiB pages (ALIGNEDSERVE_HUGE_PAGES=0), and
+# vllm-aligned vLLM with our scheduler plug-in (docs/vllm_plugin.md; its per-step records go
+# to OUTDIR/vllm-aligned-stats.jsonl).
 # Workloads: varied, uniform (synthetic), conv, code (Azure 2023 traces from TRACE_DIR);
 # conv@S / code@S replay a trace at time scale S (a load sweep: conv@60 conv@120 ...).
 set -uo pipefail
@@ -40,12 +42,15 @@ start() {  # target -> sets PID and PORT
   engine=${engine%-flat}
   engine=${engine%-arrival}
   engine=${engine%-4k}
+  [[ $1 == vllm-aligned ]] && engine=vllm && kv=(--scheduler-cls
+    alignedserve.integrations.vllm.AlignedScheduler) && envs=(PYTHONPATH="$PWD"
+    ALIGNEDSERVE_VLLM_STATS="$(cd "$OUT" && pwd)/vllm-aligned-stats.jsonl")
   [[ $1 == *-fp8 ]] && kv=(--kv-cache-dtype fp8_e5m2)
   [[ $1 == *-flat ]] && kv=(--no-tiled-kv)
   [[ $1 == *-arrival ]] && kv=(--admission fcfs)
   [[ $1 == *-4k ]] && envs=(ALIGNEDSERVE_HUGE_PAGES=0)  # KV and weights on 4 KiB pages
   case $engine in
-    vllm) PORT=8101; "$PEERS/start_vllm.sh" "${kv[@]}" > "$OUT/$1.log" 2>&1 & PID=$! ;;
+    vllm) PORT=8101; env "${envs[@]}" "$PEERS/start_vllm.sh" "${kv[@]}" > "$OUT/$1.log" 2>&1 & PID=$! ;;
     llamacpp) PORT=8102; "$PEERS/start_llamacpp.sh" --no-cache-prompt > "$OUT/$1.log" 2>&1 & PID=$! ;;
     *) PORT=8100; env "${envs[@]}" $PY -m alignedserve.entrypoints.cli serve --port 8100 --policy "$engine" \
          "${kv[@]}" --no-access-log > "$OUT/$1.log" 2>&1 & PID=$! ;;

@@ -23,6 +23,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+import torch
+
 from alignedserve.config import EngineConfig
 from alignedserve.kernels import kernels_for_path
 from alignedserve.kv.store import KVStore
@@ -33,6 +35,7 @@ from alignedserve.outputs import (
     RequestOutput,
 )
 from alignedserve.sampling_params import SamplingParams
+from alignedserve.sched.interface import DecodeGroup
 from alignedserve.step_stats import BatchRecord, StepRecord, StepStats
 
 EOS = 256
@@ -110,6 +113,12 @@ class _Scheduler:
     def num_waiting(self) -> int:
         return sum(1 for s in self._engine._active() if s.kv is None)
 
+    def decode_groups(self) -> list[DecodeGroup]:
+        """All running sequences as one group on dev0 (the fake has no cohorts)."""
+        lengths = [len(g.prompt) + len(s.tokens) for g in list(self._engine.groups.values())
+                   for s in g.seqs if s.kv is not None and s.finish_reason is None]
+        return [DecodeGroup(len(lengths), min(lengths), max(lengths), "dev0")] if lengths else []
+
 
 class FakeEngine:
     def __init__(self, max_model_len: int = 256, max_num_seqs: int = 64, step_s: float = 0.002,
@@ -118,6 +127,7 @@ class FakeEngine:
         self.loaded = _Loaded()
         self.config = EngineConfig(model="fake-model")
         self.kernels = kernels_for_path("reference")
+        self.dtype = self.kv_dtype = torch.float32
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.step_s = step_s
@@ -191,7 +201,7 @@ class FakeEngine:
         if lengths:
             batch = BatchRecord(len(lengths), min(lengths), max(lengths), sum(lengths))
             self.stats.add(StepRecord(self.stats.steps, 0, len(lengths), (batch,), self.step_s,
-                                      0.0, 0, 0.0))
+                                      0.0, 0, 0.0), time.monotonic())
         return [self._emit(g) for g in list(self.groups.values()) if self._progressed(g)]
 
     # ---- internals --------------------------------------------------------------------------

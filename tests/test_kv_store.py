@@ -57,6 +57,45 @@ def test_free_during_move_releases_both_tiers():
     store.check_invariants()
 
 
+def test_group_move_is_all_or_none():
+    store = make_store(dev_tokens=1000, host_tokens=100)
+    handles = [store.allocate("dev0", 48) for _ in range(3)]
+    store.drain_ops()
+    assert not store.begin_group_move(handles, HOST)  # 144 tokens > 100 free
+    assert store.drain_ops() == [] and store.used(HOST) == 0
+    assert store.begin_group_move(handles[:2], HOST)
+    assert store.used(HOST) == 96 and all(store.is_moving(h) for h in handles[:2])
+    store.end_group_move(handles[:2])
+    assert [store.tier_of(h) for h in handles] == [HOST, HOST, "dev0"]
+    store.check_invariants()
+
+
+def test_parking_prefers_a_peer_device_then_the_host():
+    store = make_store(dev_tokens=100, host_tokens=200, devices=2)
+    assert store.parking_tier(64, "dev0") == "dev1"
+    store.allocate("dev1", 64)
+    assert store.parking_tier(64, "dev0") == HOST  # dev1 has 32 left
+    store.allocate(HOST, 192)
+    assert store.parking_tier(64, "dev0") is None
+
+
+def test_staging_needs_room_and_link_budget():
+    store = make_store(dev_tokens=100, devices=3)
+    links = {"dev0": 0.0, "dev1": 10.0, "dev2": 80.0}
+    assert store.staging_tier(64, "dev0", links) == "dev2"  # dev1's link is spent
+    store.allocate("dev2", 96)
+    assert store.staging_tier(64, "dev0", links) is None
+
+
+def test_tokens_beyond_devices_counts_the_host_part_of_the_pool():
+    store = make_store(dev_tokens=96, devices=2)
+    store.allocate("dev0", 96)
+    assert store.tokens_beyond_devices() == -96  # dev1 still empty
+    store.allocate("dev1", 96)
+    store.allocate(HOST, 32)
+    assert store.tokens_beyond_devices() == 32
+
+
 class StoreMachine(RuleBasedStateMachine):
     """Random allocate / grow / move / free / abort sequences keep the accounting exact."""
 

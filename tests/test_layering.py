@@ -8,6 +8,8 @@ Each layer may import the layers below it, never one above; ``config``, ``sampli
 ``outputs``, ``kernels.isa`` and the package root (``__version__``) are shared leaves any
 layer may import. ``bench`` and ``sim`` are research tools on top: nothing in the serving path
 imports them, except the CLI, lazily (inside the function that runs the subcommand).
+``integrations`` (plug-ins loaded by other engines) imports only the shared leaves, and
+nothing imports it.
 Imports under ``if TYPE_CHECKING:`` count: they are dependencies of the code as written.
 """
 
@@ -39,6 +41,9 @@ ALLOWED: dict[str, set[str]] = {
     # research tools: may use the core and the model's config, and each other
     "bench": {"engine", "entrypoints", "model", "sched", "kv", "request", "step_stats", "sim"},
     "sim": {"bench", "engine", "model", "sched", "kv", "request", "step_stats"},
+    # plug-ins for other engines: loaded inside those engines, so they use nothing of ours
+    # beyond the shared leaves and themselves (no torch, no engine of our own)
+    "integrations": set(),
 }
 # (layer, target) pairs allowed only inside a function: the CLI starts the tools on demand.
 LAZY_ONLY = {("entrypoints", "bench"), ("entrypoints", "sim")}
@@ -122,6 +127,19 @@ def package_modules() -> list[tuple[str, Path]]:
 def test_every_module_follows_the_import_rule():
     bad = [v for module, path in package_modules() for v in violations(module, path.read_text())]
     assert not bad, "\n".join(bad)
+
+
+def test_every_module_says_what_it_is_for():
+    """A newcomer reads a file's first lines first: every module opens with a docstring."""
+    sources = {m: path.read_text() for m, path in package_modules()}
+    missing = [m for m, text in sources.items() if ast.get_docstring(ast.parse(text)) is None]
+    assert not missing, missing
+
+
+def test_nothing_in_the_serving_path_imports_the_plug_ins():
+    users = [m for m, path in package_modules() if layer_of(m) != "integrations"
+             and any(layer_of(name) == "integrations" for name, _ in imports(path.read_text()))]
+    assert not users, users
 
 
 def test_every_layer_is_known():

@@ -45,8 +45,12 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_the_wheel_holds_every_kernel_source(wheel: Path):
     names = set(zipfile.ZipFile(wheel).namelist())
-    for source in (*build.SOURCES, "amx.h"):
+    for source in (*build.SOURCES, "amx.h", "checks.h"):
         assert f"alignedserve/kernels/csrc/{source}" in names, source
+
+
+def test_the_wheel_holds_the_web_console(wheel: Path):
+    assert "alignedserve/entrypoints/console.html" in zipfile.ZipFile(wheel).namelist()
 
 
 @pytest.mark.skipif(cpu_paths()[0] == "reference", reason="no compiled path on this CPU")

@@ -10,15 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
-import socket
-import subprocess
-import sys
-import tempfile
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import openai
@@ -26,57 +20,20 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.server_process import get_or_none, serve_default_model
 from tests.test_server_protocol import HealthProbe, assert_error, sse_events
 
 pytestmark = pytest.mark.model
-ROOT = Path(__file__).resolve().parent.parent
 MAX_MODEL_LEN = 2048
 VOCAB = 49152
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _get(url: str, path: str, timeout: float = 5.0) -> httpx.Response | None:
-    try:
-        return httpx.get(url + path, timeout=timeout)
-    except httpx.HTTPError:
-        return None
 
 
 @pytest.fixture(scope="module")
 def server():
     """(base URL, process, model name) of a server on the default model."""
-    port = _free_port()
-    log = tempfile.NamedTemporaryFile("w+", prefix="alignedserve-e2e-", suffix=".log", delete=False)
-    cmd = [sys.executable, "-m", "alignedserve.entrypoints.cli", "serve", "--port", str(port),
-           "--max-model-len", str(MAX_MODEL_LEN), "--shutdown-grace", "10", "--no-access-log",
-           "--log-level", "warning"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)})
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
-    while (r := _get(url, "/health", 2)) is None or r.status_code != 200:
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            log.seek(0)
-            pytest.fail(f"server did not start (exit {proc.poll()}):\n{log.read()[-4000:]}")
-        time.sleep(0.5)
-    model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
-    try:
-        yield url, proc, model
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-        log.close()
-        os.unlink(log.name)
+    with serve_default_model("--max-model-len", str(MAX_MODEL_LEN), "--shutdown-grace", "10",
+                             "--no-access-log", "--log-level", "warning") as (url, proc):
+        yield url, proc, httpx.get(url + "/v1/models").json()["data"][0]["id"]
 
 
 @pytest.fixture(scope="module")
@@ -401,4 +358,4 @@ def test_zz_sigterm_drains(server):
     assert results["short"].json()["usage"]["completion_tokens"] == 12
     events = sse_events(results["long"].text)
     assert events[-1] == "[DONE]" and "shutting down" in json.loads(events[-2])["error"]["message"]
-    assert _get(url, "/health", 1) is None  # the port is closed
+    assert get_or_none(url, "/health", 1) is None  # the port is closed

@@ -1,0 +1,1 @@
+"""The HTTP server, the command line and the offline ``LLM`` API: everything a user calls."""

@@ -12,7 +12,16 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from alignedserve.entrypoints.engine_client import EngineRun
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
+
+from alignedserve.entrypoints.engine_client import (
+    ClientGone,
+    EngineClient,
+    EngineRun,
+    final_outputs_unless_gone,
+)
 from alignedserve.entrypoints.openai_errors import APIError
 from alignedserve.entrypoints.openai_protocol import (
     CompletionLogprobs,
@@ -48,6 +57,24 @@ async def sse_frames(chunks: AsyncIterator[str], run: EngineRun,
     finally:
         run.close()
     yield SSE_DONE
+
+
+async def respond(run: EngineRun, client: EngineClient, raw: Request,
+                  stream: AsyncIterator[str] | None,
+                  build: Callable[[list[RequestOutput]], BaseModel]) -> Response:
+    """The HTTP answer to a started run, the same for every endpoint: the JSON chunks of
+    ``stream`` as server-sent events, or (``stream`` None) the body ``build`` makes of the
+    final outputs; 499 when the client left before them, an API error when the run failed."""
+    if stream is not None:
+        return StreamingResponse(sse_frames(stream, run, client.api_error),
+                                 media_type="text/event-stream", headers=SSE_HEADERS)
+    try:
+        outputs = await final_outputs_unless_gone(run, raw.receive)
+    except ClientGone:
+        return Response(status_code=499)  # nobody reads it; nginx's "client closed request"
+    except Exception as exc:
+        raise client.api_error(exc) from exc
+    return JSONResponse(build(outputs).model_dump())
 
 
 class TokenText:

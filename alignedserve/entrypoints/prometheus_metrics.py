@@ -33,11 +33,14 @@ _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.0
                  0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
 
 
-def _racy_read(read: Callable[[], T], default: T, attempts: int = 5) -> T:
+def racy_read(read: Callable[[], T], default: T, attempts: int = 5) -> T:
+    """``read()`` of state the engine thread mutates without a lock, retried when the engine
+    changed it mid-read ("changed size during iteration", a handle freed or a group emptied
+    between two lookups); ``default`` if every attempt collided."""
     for _ in range(attempts):
         try:
             return read()
-        except RuntimeError:  # "changed size during iteration": the engine thread moved on
+        except (RuntimeError, KeyError, ValueError):
             continue
     return default
 
@@ -70,10 +73,10 @@ class EngineCollector(Collector):
         yield info
         sched = self.engine.scheduler
         yield self._gauge("num_requests_running", "Sequences prefilling or decoding.",
-                          _racy_read(sched.num_running, 0))
+                          racy_read(sched.num_running, 0))
         yield self._gauge("num_requests_waiting",
                           "Sequences queued (or swapped out) in the engine.",
-                          _racy_read(sched.num_waiting, 0))
+                          racy_read(sched.num_waiting, 0))
         for name, (doc, value) in (self.extra_gauges() if self.extra_gauges else {}).items():
             yield self._gauge(name, doc, value)
         yield from self._kv()
@@ -81,7 +84,7 @@ class EngineCollector(Collector):
         yield from self._alignment()
 
     def _kv(self) -> Iterator[Metric]:
-        usage = _racy_read(self.engine.store.usage_bytes, {})
+        usage = racy_read(self.engine.store.usage_bytes, {})
         docs = {"kv_cache_used_bytes": "KV-cache bytes allocated, per tier.",
                 "kv_cache_total_bytes": "KV-cache capacity in bytes, per tier.",
                 "kv_cache_usage_perc": "Fraction of the tier's KV capacity allocated (0-1)."}

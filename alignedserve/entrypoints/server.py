@@ -52,10 +52,13 @@ def build_app(async_engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     app = FastAPI(title="AlignedServe", version=__version__, lifespan=lifespan)
     app.state.server = state
     install_error_handlers(app)
-    app.include_router(api_router())
+    app.include_router(api_router(settings.ui))
     app.add_middleware(BodyGuard, max_bytes=settings.max_body_bytes)
     if settings.api_key:  # added last = outermost: unauthenticated bodies are never read
-        app.add_middleware(ApiKeyGuard, api_key=settings.api_key)
+        # The console page itself is open (it holds no data and asks for the key); the
+        # state endpoints and the API behind it are not.
+        app.add_middleware(ApiKeyGuard, api_key=settings.api_key,
+                           open_paths=frozenset({"/health", "/"}))
     return app
 
 
@@ -103,6 +106,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    choices=["critical", "error", "warning", "info", "debug"])
     g.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=True,
                    help="log one line per HTTP request")
+    g.add_argument("--no-ui", dest="ui", action="store_false",
+                   help="do not serve the web console at / (the API is unchanged)")
     add_engine_args(p, preallocate_kv=True)
     p.set_defaults(func=_serve)
 
@@ -128,7 +133,7 @@ def _serve(args: argparse.Namespace) -> int:
     settings = ServerSettings(
         model_names=names, api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
         max_inflight=max_inflight, max_body_bytes=args.max_body_bytes,
-        shutdown_grace_s=args.shutdown_grace)
+        shutdown_grace_s=args.shutdown_grace, ui=args.ui)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not settings.api_key:
         log.warning("serving on %s without an API key: anyone who can reach it can use it",
                     args.host)

@@ -4,13 +4,19 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import asyncio
+import functools
+import json
+from importlib import resources
+
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from alignedserve import __version__
 from alignedserve.entrypoints.engine_client import engine_alive
-from alignedserve.entrypoints.openai_errors import APIError, server_error
+from alignedserve.entrypoints.engine_state import engine_snapshot
+from alignedserve.entrypoints.openai_errors import APIError, bad_request, server_error
 from alignedserve.entrypoints.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -72,6 +78,46 @@ async def metrics(request: Request) -> Response:
     return Response(_state(request).metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
+def _snapshot(request: Request) -> dict:
+    state = _state(request)
+    return engine_snapshot(state.engine.engine, state.settings.model_names[0], state.latencies)
+
+
+async def engine_state(request: Request) -> JSONResponse:
+    return JSONResponse(_snapshot(request))
+
+
+async def engine_events(request: Request) -> StreamingResponse:
+    """One snapshot as an SSE ``data:`` event every ``interval`` seconds (default 1, 0.1-60)
+    until the client goes away or the server drains."""
+    try:
+        interval = float(request.query_params.get("interval", "1"))
+    except ValueError:
+        interval = float("nan")
+    if not 0.1 <= interval <= 60:
+        raise bad_request("interval must be a number of seconds in [0.1, 60]",
+                          param="interval")
+    lifecycle = _state(request).lifecycle
+
+    async def events():
+        while not lifecycle.draining and not await request.is_disconnected():
+            yield f"data: {json.dumps(_snapshot(request))}\n\n"
+            await asyncio.sleep(interval)
+
+    return StreamingResponse(events(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache"})
+
+
+@functools.cache
+def _console_html() -> str:
+    return (resources.files("alignedserve.entrypoints") / "console.html").read_text()
+
+
+async def console_page(request: Request) -> HTMLResponse:
+    """The web console (one self-contained file shipped in the package)."""
+    return HTMLResponse(_console_html())
+
+
 async def completions(body: CompletionRequest, request: Request) -> Response:
     state = _state(request)
     model = _model_name(request, body.model)
@@ -84,8 +130,14 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     return await create_chat_completion(state.client, state.info, model, body, request)
 
 
-def api_router() -> APIRouter:
+def api_router(ui: bool = True) -> APIRouter:
+    """Every route; ``ui`` adds the web console at ``/``."""
     router = APIRouter()
+    if ui:
+        router.add_api_route("/", console_page, methods=["GET"], response_model=None,
+                             include_in_schema=False)
+    router.add_api_route("/engine/state", engine_state, methods=["GET"], response_model=None)
+    router.add_api_route("/engine/events", engine_events, methods=["GET"], response_model=None)
     router.add_api_route("/health", health, methods=["GET"], response_model=None)
     router.add_api_route("/version", version, methods=["GET"], response_model=None)
     router.add_api_route("/v1/models", list_models, methods=["GET"], response_model=None)

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from alignedserve.async_engine import AsyncEngine
     from alignedserve.entrypoints.engine_client import EngineClient, ServerLifecycle
+    from alignedserve.entrypoints.engine_state import RecentLatencies
     from alignedserve.entrypoints.openai_prepare import ModelInfo
     from alignedserve.entrypoints.prometheus_metrics import ServerMetrics
 
@@ -32,6 +33,7 @@ class ServerSettings:
     shutdown_grace_s: float = 30.0
     retry_after_s: int = 1
     owns_engine: bool = True  # shut the AsyncEngine down with the app
+    ui: bool = True  # serve the web console at /
 
 
 @dataclass(slots=True)
@@ -44,10 +46,12 @@ class ServerState:
     info: ModelInfo
     metrics: ServerMetrics
     lifecycle: ServerLifecycle
+    latencies: RecentLatencies  # TTFT/TPOT of recently finished requests, for /engine/state
 
 
 def build_state(async_engine: AsyncEngine, settings: ServerSettings) -> ServerState:
     from alignedserve.entrypoints.engine_client import Admission, EngineClient, ServerLifecycle
+    from alignedserve.entrypoints.engine_state import RecentLatencies
     from alignedserve.entrypoints.openai_prepare import ModelInfo
     from alignedserve.entrypoints.prometheus_metrics import ServerMetrics
 
@@ -61,7 +65,13 @@ def build_state(async_engine: AsyncEngine, settings: ServerSettings) -> ServerSt
                                                  admission.limit)}
 
     metrics = ServerMetrics(settings.model_names[0], async_engine.engine, server_gauges)
-    client = EngineClient(async_engine, admission, lifecycle, metrics.observe_request_end,
+    latencies = RecentLatencies()
+
+    def observe_request_end(out) -> None:
+        metrics.observe_request_end(out)
+        latencies.observe(out)
+
+    client = EngineClient(async_engine, admission, lifecycle, observe_request_end,
                           metrics.observe_rejected, settings.retry_after_s)
     return ServerState(settings, async_engine, client, ModelInfo.of(async_engine.engine),
-                       metrics, lifecycle)
+                       metrics, lifecycle, latencies)

@@ -11,21 +11,15 @@ import uuid
 from collections.abc import AsyncIterator
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response
 
-from alignedserve.entrypoints.engine_client import (
-    ClientGone,
-    EngineClient,
-    EngineRun,
-    final_outputs_unless_gone,
-)
+from alignedserve.entrypoints.engine_client import EngineClient, EngineRun
 from alignedserve.entrypoints.openai_format import (
-    SSE_HEADERS,
     DeltaTracker,
     TokenText,
     chat_logprobs,
     final_text,
-    sse_frames,
+    respond,
     usage_of,
 )
 from alignedserve.entrypoints.openai_prepare import (
@@ -55,17 +49,9 @@ async def create_chat_completion(client: EngineClient, info: ModelInfo, model: s
     params = sampling_params(req, req.output_limit, top, info)
     check_prompt(prompt, params, info, "messages")
     run = client.start(f"chatcmpl-{uuid.uuid4().hex}", [prompt.token_ids], params)
-    if req.stream:
-        chunks = _stream(run, req, model, info)
-        return StreamingResponse(sse_frames(chunks, run, client.api_error),
-                                 media_type="text/event-stream", headers=SSE_HEADERS)
-    try:
-        outputs = await final_outputs_unless_gone(run, raw.receive)
-    except ClientGone:
-        return Response(status_code=499)  # nobody reads it; nginx's "client closed request"
-    except Exception as exc:
-        raise client.api_error(exc) from exc
-    return JSONResponse(_response(run, req, outputs[0], model, info).model_dump())
+    stream = _stream(run, req, model, info) if req.stream else None
+    return await respond(run, client, raw, stream,
+                         lambda outputs: _response(run, req, outputs[0], model, info))
 
 
 def _response(run: EngineRun, req: ChatCompletionRequest, out: RequestOutput, model: str,

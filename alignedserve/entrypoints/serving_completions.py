@@ -10,21 +10,15 @@ import uuid
 from collections.abc import AsyncIterator
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response
 
-from alignedserve.entrypoints.engine_client import (
-    ClientGone,
-    EngineClient,
-    EngineRun,
-    final_outputs_unless_gone,
-)
+from alignedserve.entrypoints.engine_client import EngineClient, EngineRun
 from alignedserve.entrypoints.openai_format import (
-    SSE_HEADERS,
     DeltaTracker,
     TokenText,
     completion_logprobs,
     final_text,
-    sse_frames,
+    respond,
     usage_of,
 )
 from alignedserve.entrypoints.openai_prepare import (
@@ -51,17 +45,9 @@ async def create_completion(client: EngineClient, info: ModelInfo, model: str,
     for prompt in prompts:
         check_prompt(prompt, params, info, "prompt")
     run = client.start(f"cmpl-{uuid.uuid4().hex}", [p.token_ids for p in prompts], params)
-    if req.stream:
-        chunks = _stream(run, req, prompts, model, info)
-        return StreamingResponse(sse_frames(chunks, run, client.api_error),
-                                 media_type="text/event-stream", headers=SSE_HEADERS)
-    try:
-        outputs = await final_outputs_unless_gone(run, raw.receive)
-    except ClientGone:
-        return Response(status_code=499)  # nobody reads it; nginx's "client closed request"
-    except Exception as exc:
-        raise client.api_error(exc) from exc
-    return JSONResponse(_response(run, req, prompts, outputs, model, info).model_dump())
+    stream = _stream(run, req, prompts, model, info) if req.stream else None
+    return await respond(run, client, raw, stream,
+                         lambda outputs: _response(run, req, prompts, outputs, model, info))
 
 
 def _echo(prompt: Prompt, info: ModelInfo) -> str:

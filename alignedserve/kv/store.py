@@ -119,6 +119,31 @@ class KVStore:
     def __len__(self) -> int:
         return len(self._allocs)
 
+    # ---- placement: where KV goes when a policy moves it -----------------------------------
+    def parking_tier(self, tokens: int, compute: str) -> str | None:
+        """Where ``tokens`` of KV written back from the ``compute`` tier go: the first other
+        device tier with room (a closer parking place than the host), else the host if it has
+        room; None when neither has."""
+        for tier in self.device_tiers:
+            if tier != compute and self.free(tier) >= tokens:
+                return tier
+        return HOST if self.free(HOST) >= tokens else None
+
+    def staging_tier(self, tokens: int, compute: str, link_left: dict[str, float]) -> str | None:
+        """A device tier other than ``compute`` with room for ``tokens`` and at least that much
+        left of its host link this step (``link_left``), to stage host KV on its way to
+        ``compute`` (GPU-Prefetch-For-GPU); None when there is none."""
+        for tier in self.device_tiers:
+            if tier != compute and self.free(tier) >= tokens and link_left[tier] >= tokens:
+                return tier
+        return None
+
+    def tokens_beyond_devices(self) -> int:
+        """KV in use over all tiers minus what the device tiers hold (negative while the
+        devices still have room): the part of the pool that lives on the host."""
+        return (sum(self._used.values())
+                - sum(self._total[t] for t in self.device_tiers))
+
     # ---- mutations (each one logged for the executor) --------------------------------------
     def allocate(self, tier: str, tokens: int) -> KVHandle | None:
         """Reserve capacity for ``tokens`` tokens in ``tier``; None when the tier lacks room."""
@@ -172,6 +197,21 @@ class KVStore:
         self._used[alloc.tier] -= alloc.capacity
         alloc.tier, alloc.moving_to = alloc.moving_to, None
         self._log(KVOpKind.MOVE_END, handle, alloc.tier, alloc.capacity)
+
+    def begin_group_move(self, handles: list[KVHandle], dst: str) -> bool:
+        """``begin_move`` for every handle, all or none: False, with nothing changed, when
+        ``dst`` lacks room for their total capacity."""
+        if sum(self._allocs[h].capacity for h in handles) > self.free(dst):
+            return False
+        for handle in handles:
+            moved = self.begin_move(handle, dst)
+            assert moved, "room for the whole group was checked above"
+        return True
+
+    def end_group_move(self, handles: list[KVHandle]) -> None:
+        """``end_move`` for every handle."""
+        for handle in handles:
+            self.end_move(handle)
 
     def move(self, handle: KVHandle, dst: str) -> bool:
         """Synchronous move: ``begin_move`` then ``end_move``."""

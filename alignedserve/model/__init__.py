@@ -1,0 +1,1 @@
+"""The one Llama-family model definition, its loader (Hugging Face, GGUF) and the sampler."""

@@ -1,0 +1,1 @@
+"""Scheduling policies (aligned, fcfs, static) over ``Request`` and ``KVStore``; pure Python."""

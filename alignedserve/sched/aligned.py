@@ -42,7 +42,7 @@ import itertools
 
 from alignedserve.request import Request, RequestStatus
 from alignedserve.sched.cohort import Cohort, merge_pass, split_sizes
-from alignedserve.sched.interface import BaseScheduler, QueueFull
+from alignedserve.sched.interface import BaseScheduler, DecodeGroup, QueueFull
 from alignedserve.sched.plan import DecodeBatch, StepPlan
 from alignedserve.sched.waiting import WaitingQueue
 
@@ -84,6 +84,11 @@ class AlignedScheduler(BaseScheduler):
     def num_inflight(self) -> int:
         return self.num_running()
 
+    def decode_groups(self) -> list[DecodeGroup]:
+        """One group per cohort, in the tier its KV is in (or moving to)."""
+        return [DecodeGroup(c.rows, c.min_len, c.max_len, c.moving_to or c.tier)
+                for c in list(self.cohorts.values()) if c.requests]
+
     # ---- the step -------------------------------------------------------------------------
     def schedule(self) -> StepPlan:
         self.step_index += 1
@@ -103,8 +108,7 @@ class AlignedScheduler(BaseScheduler):
     def _finish_moves(self) -> None:
         for cohort in self.cohorts.values():
             if cohort.moving_to is not None:
-                for request in cohort.requests:
-                    self.store.end_move(request.kv)
+                self.store.end_group_move([request.kv for request in cohort.requests])
                 cohort.tier, cohort.moving_to = cohort.moving_to, None
                 self._set_status(cohort)
 
@@ -219,10 +223,7 @@ class AlignedScheduler(BaseScheduler):
         link = self.config.prefetch_link_tokens
         if link <= 0:
             return True
-        tiers = (*self.store.device_tiers, self.host)
-        beyond = (sum(self.store.used(t) for t in tiers)
-                  - sum(self.store.total(t) for t in self.store.device_tiers))
-        return beyond + tokens <= link * self.config.max_wait_steps
+        return self.store.tokens_beyond_devices() + tokens <= link * self.config.max_wait_steps
 
     def _kv_tokens(self, cohort: Cohort) -> int:
         return sum(self.store.capacity_of(r.kv) for r in cohort.requests)
@@ -246,7 +247,8 @@ class AlignedScheduler(BaseScheduler):
         return True
 
     def _make_room(self, tokens: int, protected: list[Cohort]) -> bool:
-        """Write idle device cohorts back to the host until ``tokens`` fit on the device."""
+        """Write idle device cohorts back (to where the store parks them) until ``tokens``
+        fit on the device."""
         if self.store.free(self.device) >= tokens:
             return True
         victims = [c for c in self.cohorts.values() if c.tier == self.device
@@ -255,11 +257,7 @@ class AlignedScheduler(BaseScheduler):
         # last again in the order anyway).
         victims.sort(key=lambda c: (self._kv_tokens(c), -c.last_run_step))
         for victim in victims:
-            kv = self._kv_tokens(victim)
-            # a peer device is a closer parking place than the host, when one has room
-            dst = next((t for t in self.store.device_tiers
-                        if t != self.device and self.store.free(t) >= kv), self.host)
-            if kv <= self.store.free(dst):
+            if dst := self.store.parking_tier(self._kv_tokens(victim), self.device):
                 self._move(victim, dst, now=True)
                 if self.store.free(self.device) >= tokens:
                     return True
@@ -267,13 +265,12 @@ class AlignedScheduler(BaseScheduler):
 
     def _move(self, cohort: Cohort, dst: str, now: bool) -> None:
         """Move every member's KV to ``dst``; ``now=False`` leaves the copy running."""
-        for request in cohort.requests:
-            moved = self.store.begin_move(request.kv, dst)
-            assert moved, "caller checked room for the whole cohort"
+        handles = [request.kv for request in cohort.requests]
+        moved = self.store.begin_group_move(handles, dst)
+        assert moved, "caller checked room for the whole cohort"
         cohort.moving_to = dst
         if now:
-            for request in cohort.requests:
-                self.store.end_move(request.kv)
+            self.store.end_group_move(handles)
             cohort.tier, cohort.moving_to = dst, None
             self._set_status(cohort)
 
@@ -302,16 +299,10 @@ class AlignedScheduler(BaseScheduler):
                 if cohort.tier == self.host:
                     links[self.device] -= need
                 self._move(cohort, self.device, now=False)
-            elif cohort.tier == self.host and (stage := self._staging_tier(need, links)):
+            elif cohort.tier == self.host and (
+                    stage := self.store.staging_tier(need, self.device, links)):
                 links[stage] -= need
                 self._move(cohort, stage, now=False)
-
-    def _staging_tier(self, need: int, links: dict[str, float]) -> str | None:
-        """A peer device with room and link budget for ``need`` tokens, if any."""
-        for tier in self.store.device_tiers:
-            if tier != self.device and self.store.free(tier) >= need and links[tier] >= need:
-                return tier
-        return None
 
     # ---- prefill ----------------------------------------------------------------------------
     def _continue_prefills(self, plan: StepPlan, budget: int) -> int:

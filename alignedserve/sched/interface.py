@@ -15,12 +15,24 @@ import itertools
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 from alignedserve.config import SchedulerConfig
 from alignedserve.kv.store import HOST, KVStore, device_tier
 from alignedserve.request import FinishReason, Request, RequestStatus
 from alignedserve.sched.plan import PrefillChunk, StepOutput, StepPlan
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeGroup:
+    """One group of decoding requests as the policy keeps them (a cohort under ``aligned``):
+    how many rows, the range of their KV lengths, and the tier holding their KV."""
+
+    rows: int
+    min_len: int
+    max_len: int
+    tier: str
 
 
 class QueueFull(Exception):
@@ -66,6 +78,15 @@ class BaseScheduler:
 
     def num_running(self) -> int:
         raise NotImplementedError
+
+    def decode_groups(self) -> list[DecodeGroup]:
+        """The decoding requests as the policy groups them, for display (no request text).
+        By default one group per tier: every request past its prefill whose KV sits there."""
+        lengths: dict[str, list[int]] = {}
+        for request in list(self.requests.values()):
+            if request.kv is not None and not request.in_prefill:
+                lengths.setdefault(self.store.tier_of(request.kv), []).append(request.num_tokens)
+        return [DecodeGroup(len(ls), min(ls), max(ls), tier) for tier, ls in lengths.items()]
 
     # ---- shared --------------------------------------------------------------------------
     @property

