@@ -33,7 +33,10 @@ With an unlimited link (0, the default, e.g. on CPU where both tiers are RAM) th
 
 Waiting bound: when device KV can hold the prefilling requests plus any one cohort and the host
 can take the rest, a ready cohort waits at most ``max_wait_steps + C`` steps, C being the number
-of cohorts in flight (starving cohorts go first, oldest first, and at least one runs per step).
+of cohorts in flight (starving cohorts go first, oldest first wherever their KV is, and at least
+one runs per step). Joins and merges never make a cohort whose KV (plus a growth block a row)
+exceeds the compute device, and one that grows past it is split, so any one cohort can always
+be made resident.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ from __future__ import annotations
 import itertools
 
 from alignedserve.request import Request, RequestStatus
-from alignedserve.sched.cohort import Cohort, merge_pass, split_sizes
+from alignedserve.sched.cohort import Cohort, merge_pass, split_members
 from alignedserve.sched.interface import BaseScheduler, DecodeGroup, QueueFull
 from alignedserve.sched.plan import DecodeBatch, StepPlan
 from alignedserve.sched.waiting import WaitingQueue
@@ -124,42 +127,54 @@ class AlignedScheduler(BaseScheduler):
 
     def _join(self, request: Request) -> None:
         tier = self.store.tier_of(request.kv)
-        length = request.num_tokens
         tol, max_rows = self.config.align_tolerance, self.config.max_cohort_rows
-        fits = [c for c in self.cohorts.values()
-                if c.tier == tier and c.accepts(length, tol, max_rows)]
-        if fits:
-            cohort = max(fits, key=lambda c: c.rows)
+        joinable = [c for c in self.cohorts.values()
+                    if c.tier == tier and c.accepts(request, tol, max_rows, self._fits_device)]
+        if joinable:
+            cohort = max(joinable, key=lambda c: c.rows)
         else:
             cohort = Cohort(next(self._cohort_ids), tier, last_run_step=self.step_index - 1)
             self.cohorts[cohort.cohort_id] = cohort
         cohort.requests.append(request)
         self._cohort_of[request.request_id] = cohort
 
+    def _fits_device(self, requests: list[Request]) -> bool:
+        """Whether ``requests`` may form one cohort: their KV, plus a growth block per row,
+        fits the compute device on its own (so any one cohort can always be made resident,
+        which the waiting bound rests on)."""
+        kv = sum(self.store.capacity_of(r.kv) for r in requests)
+        return kv + len(requests) * self.store.granularity <= self.store.total(self.device)
+
     def _reshape(self) -> None:
-        """Merge cohorts whose lengths met; split the ones above ``max_cohort_rows``."""
+        """Merge cohorts whose lengths met; split the ones above ``max_cohort_rows`` or grown
+        too large for the device."""
         tol, max_rows = self.config.align_tolerance, self.config.max_cohort_rows
-        for keep, absorbed in merge_pass(list(self.cohorts.values()), tol, max_rows):
+        cohorts = list(self.cohorts.values())
+        for keep, absorbed in merge_pass(cohorts, tol, max_rows, self._fits_device):
             for request in absorbed.requests:
                 self._cohort_of[request.request_id] = keep
             keep.requests.extend(absorbed.requests)
             del self.cohorts[absorbed.cohort_id]
-        for cohort in [c for c in self.cohorts.values() if c.rows > max_rows]:
+        for cohort in [c for c in self.cohorts.values()
+                       if c.rows > max_rows or (c.rows > 1 and not self._fits_device(c.requests))]:
             members = sorted(cohort.requests, key=lambda r: r.num_tokens)
-            sizes = split_sizes(len(members), max_rows)
-            cohort.requests = members[: sizes[0]]
-            start = sizes[0]
-            for size in sizes[1:]:
+            first, *rest = split_members(members, max_rows, self._fits_device)
+            cohort.requests = first
+            for part_members in rest:
                 part = Cohort(next(self._cohort_ids), cohort.tier, cohort.last_run_step,
-                              members[start:start + size], cohort.moving_to)
+                              part_members, cohort.moving_to)
                 self.cohorts[part.cohort_id] = part
                 for request in part.requests:
                     self._cohort_of[request.request_id] = part
-                start += size
 
     def _priority(self, cohort: Cohort, step: int) -> tuple:
-        starving = step - cohort.last_run_step > self.config.max_wait_steps
-        return (not starving, cohort.tier != self.device, cohort.last_run_step, cohort.cohort_id)
+        """Sort key, smallest first: starving cohorts oldest first wherever their KV is (the
+        waiting bound rests on this: a device-resident cohort that only just starved must not
+        go before an older one on the host, or two such cohorts can take turns indefinitely);
+        then device-resident before host, least recently run first."""
+        if step - cohort.last_run_step > self.config.max_wait_steps:
+            return (0, cohort.last_run_step, False, cohort.cohort_id)
+        return (1, cohort.tier != self.device, cohort.last_run_step, cohort.cohort_id)
 
     def _select(self, plan: StepPlan) -> list[Cohort]:
         rows_left = min(self.config.max_num_seqs, self.config.max_num_batched_tokens)
