@@ -109,6 +109,14 @@ class StepStats:
         recent = [n for t, n in tuple(self.timeline) if now - span_s <= t <= now]
         return sum(recent) / span_s if span_s > 0 else 0.0
 
+    def recent_bubble_fraction(self, steps: int | None = None) -> float:
+        """Attention work lost to misalignment over the decode batches of the last ``steps``
+        records in the window (all of it when None); safe to call from another thread."""
+        window = tuple(self.window)  # a C-level copy of the deque: atomic under the GIL
+        batches = [b for rec in window[-steps if steps else 0:] for b in rec.batches]
+        padded = sum(b.padded_tokens for b in batches)
+        return 1.0 - sum(b.kv_tokens for b in batches) / padded if padded else 0.0
+
     @property
     def bubble_fraction(self) -> float:
         """Attention work lost to misalignment over all decode batches so far."""

@@ -33,6 +33,7 @@ from alignedserve.entrypoints.prometheus_metrics import racy_read
 from alignedserve.outputs import RequestOutput
 
 RATE_SPAN_S = 10.0
+BUBBLE_STEPS = 64  # bubble_recent covers this many latest steps
 IDLE_S = 2.0  # no step for this long: the engine is idle, last_step is empty
 LATENCY_SPAN_S = 300.0
 
@@ -73,13 +74,12 @@ def _groups(engine: Any) -> list[dict[str, Any]]:
 def engine_snapshot(engine: Any, model: str, latencies: RecentLatencies) -> dict[str, Any]:
     """The snapshot described in the module docstring."""
     stats = engine.stats
-    window = tuple(stats.window)[-64:]  # a C-level copy: atomic under the GIL
-    batches = [b for rec in window for b in rec.batches]
-    padded = sum(b.padded_tokens for b in batches)
     now = time.monotonic()
     timeline = tuple(stats.timeline)
     # the latest step's batches while the engine is stepping; none once it has gone idle
-    last = window[-1].batches if window and timeline and now - timeline[-1][0] < IDLE_S else ()
+    # (the window only ever grows or rotates, so once non-empty its last record stays readable)
+    last = (stats.window[-1].batches
+            if stats.window and timeline and now - timeline[-1][0] < IDLE_S else ())
     ttft, tpot = latencies.medians()
     usage = racy_read(engine.store.usage_bytes, {})
     return {
@@ -96,7 +96,7 @@ def engine_snapshot(engine: Any, model: str, latencies: RecentLatencies) -> dict
                       for b in last],
         "kv": {tier: {"used_bytes": used, "total_bytes": total}
                for tier, (used, total) in sorted(usage.items())},
-        "bubble_recent": 1.0 - sum(b.kv_tokens for b in batches) / padded if padded else 0.0,
+        "bubble_recent": stats.recent_bubble_fraction(BUBBLE_STEPS),
         "output_tok_s": stats.output_tokens_per_s(now, RATE_SPAN_S),
         "ttft_p50_s": ttft,
         "tpot_p50_s": tpot,

@@ -121,12 +121,10 @@ class EngineCollector(Collector):
                           s.bubble_fraction)
         window = tuple(s.window)  # a C-level copy of the deque: atomic under the GIL
         batches = [b for rec in window for b in rec.batches]
-        padded = sum(b.padded_tokens for b in batches)
-        needed = sum(b.kv_tokens for b in batches)
         decode_steps = sum(1 for rec in window if rec.batches)
         yield self._gauge("decode_bubble_fraction_recent",
                           "Bubble fraction over the recent step window.",
-                          1.0 - needed / padded if padded else 0.0)
+                          s.recent_bubble_fraction())
         yield self._gauge("decode_batches_per_step_recent",
                           "Mean decode batches per decode step over the recent window.",
                           len(batches) / decode_steps if decode_steps else 0.0)
