@@ -9,8 +9,8 @@ the project's venv), in two ways:
   for the whole module, a few seconds after vLLM's import), with two steps in flight for the
   async ones as vLLM's engine core runs them;
 * a real OpenAI server on the default model converted to a Hugging Face directory in this
-  module's scratch space: once without the plug-in, once with it (``--scheduler-cls``), one
-  after the other.
+  module's scratch space: once without the plug-in, once with it (``--scheduler-cls``, with
+  its admission lever on), one after the other.
 
 They skip, saying why, where that venv could not be installed.
 """
@@ -35,6 +35,7 @@ from hypothesis import strategies as st
 
 from alignedserve.integrations.alignment import DecodeStepRecord, length_groups
 from tests.server_process import ROOT, free_port, get_or_none
+from tests.vllm_harness import mixed_requests, passed_over, summary
 
 TOLERANCE = 32
 
@@ -83,15 +84,9 @@ def scratch():
 PLUGIN = "alignedserve.integrations.vllm"
 
 
-def _harness_requests(count: int, seed: int, arrive_over: int) -> list[list[int]]:
-    """``[arrival_step, prompt_len, max_tokens]``: prompts log-uniform 8..1200, outputs 8..40,
-    arrivals spread over the first ``arrive_over`` steps."""
-    rng = random.Random(seed)
-    return [[rng.randrange(arrive_over + 1), int(8 * 150 ** rng.random()), rng.randrange(8, 41)]
-            for _ in range(count)]
-
-
-HARNESS_MIXED = _harness_requests(40, seed=3, arrive_over=30)
+HARNESS_MIXED = mixed_requests(40, seed=3, arrive_over=30)
+HARNESS_QUEUED = mixed_requests(80, seed=4, arrive_over=60)
+ADMIT_WAIT = 40
 HARNESS_ENV = {"ALIGNEDSERVE_ALIGN_TOLERANCE": str(TOLERANCE)}
 HARNESS_RUNS: dict[str, dict] = {
     # budget and KV roomy: the plug-in only reorders, so the same tokens are scheduled
@@ -100,6 +95,12 @@ HARNESS_RUNS: dict[str, dict] = {
     # KV for ~6 prompts: vLLM preempts while steps are in flight
     "plugin-async-preempting": {"scheduler": "plugin-async", "requests": HARNESS_MIXED,
                                 "env": HARNESS_ENV, "num_blocks": 160},
+    # 12 running slots for ~1.3 arrivals per step: a queue forms, so admission order matters
+    **{f"admission-{lever}{kind}": {
+        "scheduler": f"plugin{kind}", "requests": HARNESS_QUEUED, "max_num_seqs": 12,
+        "env": {**HARNESS_ENV, "ALIGNEDSERVE_VLLM_MAX_ADMIT_WAIT": str(ADMIT_WAIT),
+                "ALIGNEDSERVE_VLLM_ALIGNED_ADMISSION": "1" if lever == "on" else "0"}}
+       for lever, kind in (("off", ""), ("on", ""), ("on", "-async"))},
 }
 
 
@@ -172,6 +173,24 @@ def test_async_plugin_under_preemption_loses_nothing(harness):
     assert all(r["max_group_spread"] <= TOLERANCE for r in run["records"])
 
 
+@pytest.mark.model
+@pytest.mark.parametrize("kind", ["", "-async"])
+def test_admission_lever_in_vllms_scheduler_keeps_its_bound(harness, kind):
+    """With the lever on, vLLM admits out of arrival order (prompts that fit a running group
+    first), yet no request that has waited ALIGNEDSERVE_VLLM_MAX_ADMIT_WAIT steps is passed
+    over by a younger one; with it off, vLLM's arrival order stands."""
+    on, off = harness["runs"][f"admission-on{kind}"], harness["runs"]["admission-off"]
+    for run in (on, off):
+        _assert_all_tokens_delivered(run)
+    assert passed_over(off, None) == []
+    assert passed_over(on, None), "the lever never changed vLLM's admission order"
+    assert passed_over(on, ADMIT_WAIT) == []
+    assert max(r["first_scheduled"] - r["arrival"] for r in on["requests"].values()) \
+        > ADMIT_WAIT  # the queue was deep enough for aging to matter
+
+    assert summary(on, TOLERANCE)["fitting_share"] > summary(off, TOLERANCE)["fitting_share"]
+
+
 # ---- a real vLLM server ----------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -195,7 +214,9 @@ class VllmServer:
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "0-1",
                "HF_HUB_OFFLINE": "1", "VLLM_CACHE_ROOT": str(scratch / "vllm-cache"),
                "PYTHONPATH": str(ROOT), "ALIGNEDSERVE_ALIGN_TOLERANCE": str(TOLERANCE),
-               "ALIGNEDSERVE_VLLM_STATS": str(self.stats)}
+               "ALIGNEDSERVE_VLLM_STATS": str(self.stats),
+               # the admission lever on (default off), so the real server runs it too
+               "ALIGNEDSERVE_VLLM_ALIGNED_ADMISSION": "1"}
         cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
                "--host", "127.0.0.1", "--port", str(self.port), "--served-model-name", "model",
                "--dtype", "bfloat16", "--max-model-len", "4096", "--no-enable-prefix-caching"]
@@ -312,6 +333,9 @@ def test_burst_of_64_loses_nothing_and_groups_respect_the_tolerance(plugin_serve
     assert all(r["max_group_spread"] <= TOLERANCE for r in records)
     assert all(1 <= r["groups"] <= r["rows"] for r in records)
     assert any(r["groups"] > 1 for r in records)  # mixed lengths: really more than one group
+    # the burst queued for admission, and the lever's admissions were recorded
+    assert sum(r["admitted"] for r in records) >= 1
+    assert all(0 <= r["admitted_fitting"] <= r["admitted"] for r in records)
 
 
 @pytest.mark.model

@@ -17,10 +17,14 @@ plug-in reads its options there), ``max_num_seqs``, ``max_num_batched_tokens``,
 ``max_steps``. Async schedulers run with two steps in flight, as vLLM's engine core runs them
 (the next step is scheduled before the previous one's tokens come back); the others with one.
 
-The result has, per run: the scheduler's MRO (class names), per step the scheduled tokens per
-request, the requests vLLM calls decoding (caught up, ``is_prefill_chunk`` false) and the
-decode rows' KV lengths (and how many were scheduled before their previous token came back), per request its arrival, first-scheduled and finish steps and tokens
-received, and the plug-in's own per-step records (``alignment_records``) where there is one.
+The result has, per run: the scheduler's MRO (class names); per step the scheduled tokens per
+request, the decode rows' KV lengths (rows caught up, ``is_prefill_chunk`` false, with an
+output already) and how many of them were scheduled before their previous token came back;
+per request its arrival, first-scheduled and finish steps and tokens received; and the
+plug-in's own per-step records (``alignment_records``) where there is one.
+``mixed_requests`` makes request lists; ``admissions``, ``passed_over`` and ``summary`` read a
+run's result (plain Python, no vLLM:
+the tests and ``benchmarks/vllm_plugin_counts.py`` import them).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import collections
 import dataclasses
 import json
 import os
+import random
 import sys
 import tempfile
 from pathlib import Path
@@ -126,7 +131,8 @@ class _Run:
     def _add_arrivals(self, step: int) -> None:
         while self.arrivals and self.arrivals[0][0] <= step:
             _, i, prompt_len, max_tokens = self.arrivals.pop(0)
-            self.scheduler.add_request(_request(i, prompt_len, max_tokens, float(step)))
+            # distinct arrival times, as wall-clock ones are: step, then index within it
+            self.scheduler.add_request(_request(i, prompt_len, max_tokens, step + i * 1e-6))
 
     def _schedule(self, step: int):
         s = self.scheduler
@@ -178,6 +184,59 @@ class _Run:
                                        "finished": self.finished.get(f"r{i}"),
                                        "received": self.received[f"r{i}"]}
                              for i, (a, p, m) in enumerate(self.spec["requests"])}}
+
+
+def mixed_requests(count: int, seed: int, arrive_over: int) -> list[list[int]]:
+    """``[arrival_step, prompt_len, max_tokens]``: prompts log-uniform 8..1200, outputs 8..40,
+    arrivals spread over the first ``arrive_over`` steps."""
+    rng = random.Random(seed)
+    return [[rng.randrange(arrive_over + 1), int(8 * 150 ** rng.random()), rng.randrange(8, 41)]
+            for _ in range(count)]
+
+
+def admissions(run: dict[str, Any]) -> list[tuple[int, int, int]]:
+    """``(first scheduled step, arrival step, index)`` per request, in admission order."""
+    return sorted((r["first_scheduled"], r["arrival"], int(rid[1:]))
+                  for rid, r in run["requests"].items())
+
+
+def passed_over(run: dict[str, Any], max_wait: int | None) -> list[tuple[int, int, int]]:
+    """``(step, passed, passer)``: a request admitted at ``step`` before one that entered the
+    queue before it and was still waiting (only those that had waited ``max_wait`` steps;
+    None: any). First admissions only: a preempted request coming back is vLLM's to place."""
+    found = []
+    order = admissions(run)
+    for t, y_arrival, y in order:
+        for t_x, x_arrival, x in order:
+            if t_x > t and (x_arrival, x) < (y_arrival, y) and x_arrival <= t and \
+                    (max_wait is None or t - x_arrival >= max_wait):
+                found.append((t, x, y))
+    return found
+
+
+def summary(run: dict[str, Any], tolerance: int) -> dict[str, float]:
+    """Scheduler-level counts of one run (no timing): steps; per decode step the decode rows,
+    their length groups within ``tolerance`` and the bubble a padded kernel would have over
+    the whole batch and per group (from the steps vLLM scheduled, so the same for every
+    scheduler); from the plug-in's records, the share of admissions that fit a running group
+    (NaN without the plug-in); admissions out of arrival order; the longest and mean wait for
+    admission (steps)."""
+    from alignedserve.integrations.alignment import DecodeStepRecord
+
+    decode = [DecodeStepRecord.of(s["step"], s["decode_lengths"], tolerance)
+              for s in run["steps"] if s["decode_lengths"]]
+    waits = [r["first_scheduled"] - r["arrival"] for r in run["requests"].values()]
+    admitted = sum(r["admitted"] for r in run["records"])
+    fitting = sum(r["admitted_fitting"] for r in run["records"])
+
+    def mean(key: str) -> float:
+        return sum(getattr(r, key) for r in decode) / len(decode)
+
+    return {"steps": len(run["steps"]), "rows": mean("rows"), "groups": mean("groups"),
+            "bubble": mean("bubble"), "group_bubble": mean("group_bubble"),
+            "fitting_share": fitting / admitted if admitted else float("nan"),
+            "out_of_order": len(passed_over(run, None)), "max_wait": max(waits),
+            "mean_wait": sum(waits) / len(waits)}
 
 
 def _resolved_mro(name: str) -> list[str]:

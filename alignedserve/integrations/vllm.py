@@ -29,11 +29,21 @@ What it changes, per step, before vLLM's own ``schedule()`` runs:
   its token budget and preempts from its end, so when the budget or the KV cache binds it is
   whole groups that run together, and the newest requests that give way, as before.
 * Nothing is held back: vLLM's CPU and GPU attention kernels do not pad a batch to its longest
-  row, so a held-back request would be lost throughput, not saved work. Admission, chunked
-  prefill and preemption mechanics stay vLLM's.
+  row, so a held-back request would be lost throughput, not saved work. Chunked prefill and
+  preemption mechanics stay vLLM's.
+* **Admission lever** (off by default; ``ALIGNEDSERVE_VLLM_ALIGNED_ADMISSION=1``). vLLM admits
+  waiting requests in the order of its waiting queue; the plug-in reorders that queue
+  (``alignment.admission_order``): preempted requests first as vLLM has them, then requests
+  that have waited ``ALIGNEDSERVE_VLLM_MAX_ADMIT_WAIT`` scheduler steps (default 64), oldest
+  first, then requests whose prompt length lies within the tolerance of a running decode
+  row's KV length, then the rest, each oldest first. Bound: once a request has waited that
+  many steps, no request that entered the queue after it is admitted before it (vLLM's
+  preempted requests aside, which vLLM itself puts first). Only vLLM's FCFS queue is
+  reordered; with ``--scheduling-policy priority`` the queue is left as the user asked.
 
 What it records, per step with decode rows (``alignment.DecodeStepRecord``: rows, groups, the
-KV-length spread, the bubble a padded kernel would have, the widest group): a JSON line each in
+KV-length spread, the bubble a padded kernel would have, the widest group, and the requests
+admitted that step: how many, how many fit a running group, the longest wait): a JSON line each in
 the file ``ALIGNEDSERVE_VLLM_STATS`` names (unset: none), and a summary in vLLM's log every
 ``ALIGNEDSERVE_VLLM_LOG_EVERY`` steps (default 500; 0: never). Defaults need no variable set.
 """
@@ -48,8 +58,10 @@ from typing import Any
 
 from vllm.logger import init_logger
 from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.request import RequestStatus
 
-from alignedserve.integrations.alignment import DecodeStepRecord, ordered_groups
+from alignedserve.integrations.alignment import (Candidate, DecodeStepRecord, WaitClock,
+                                                 admission_order, fits_a_group, ordered_groups)
 
 try:
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -60,6 +72,7 @@ logger = init_logger(__name__)
 
 DEFAULT_TOLERANCE = 64
 DEFAULT_LOG_EVERY = 500
+DEFAULT_MAX_ADMIT_WAIT = 64
 
 
 def _env_int(name: str, default: int) -> int:
@@ -87,8 +100,14 @@ class AlignmentMixin:
         self.alignment_records: collections.deque[DecodeStepRecord] = collections.deque(
             maxlen=4096)
         self._steps = 0
-        logger.info("AlignedServe scheduler (%s): align tolerance %d tokens, stats file %s",
-                    type(self).__name__, self.align_tolerance, path or "(none)")
+        self.aligned_admission = _env_int("ALIGNEDSERVE_VLLM_ALIGNED_ADMISSION", 0) > 0
+        self.max_admit_wait = _env_int("ALIGNEDSERVE_VLLM_MAX_ADMIT_WAIT",
+                                       DEFAULT_MAX_ADMIT_WAIT)
+        self._wait_clock = WaitClock()
+        logger.info("AlignedServe scheduler (%s): align tolerance %d tokens, aligned admission "
+                    "%s (max wait %d steps), stats file %s", type(self).__name__,
+                    self.align_tolerance, "on" if self.aligned_admission else "off",
+                    self.max_admit_wait, path or "(none)")
 
     @staticmethod
     def _is_decoding(request: Any) -> bool:
@@ -111,22 +130,53 @@ class AlignmentMixin:
                                 lambda r: r.arrival_time, self.align_tolerance)
         self.running[:] = [r for g in groups for r in g] + rest
 
-    def schedule(self, *args: Any, **kwargs: Any):
+    def _waiting_candidates(self) -> dict[str, Candidate]:
+        """The waiting queue as the admission lever sees it (also feeds the records)."""
+        self._wait_clock.observe((r.request_id for r in self.waiting), self._steps)
+        return {r.request_id: Candidate(r.num_prompt_tokens,
+                                        self._wait_clock.waited(r.request_id, self._steps),
+                                        r.arrival_time, r.status != RequestStatus.WAITING)
+                for r in self.waiting}
+
+    def _order_waiting(self, candidates: dict[str, Candidate],
+                       running_lengths: list[int]) -> None:
+        """Reorder vLLM's FCFS waiting queue by ``admission_order`` (priority queues keep the
+        user's order)."""
+        queue = self.waiting
+        if not isinstance(queue, collections.deque) or len(queue) < 2:
+            return
+        requests = list(queue)
+        order = admission_order([candidates[r.request_id] for r in requests], running_lengths,
+                                self.align_tolerance, self.max_admit_wait)
+        queue.clear()
+        queue.extend(requests[i] for i in order)
+
+    def schedule(self, *args: Any, **kwargs: Any) -> Any:
+        self._steps += 1
         self._order_running()
         decoding = {r.request_id: r.num_computed_tokens for r in self.running
                     if self._is_decoding(r)}
+        running_lengths = sorted(n + 1 for n in decoding.values())
+        waiting = self._waiting_candidates()
+        if self.aligned_admission:
+            self._order_waiting(waiting, running_lengths)
         output = super().schedule(*args, **kwargs)
-        self._record(output.num_scheduled_tokens, decoding)
+        admitted = [c for rid, c in waiting.items() if rid in output.num_scheduled_tokens]
+        self._record(output.num_scheduled_tokens, decoding, admitted, running_lengths)
         return output
 
-    def _record(self, scheduled: dict[str, int], decoding: dict[str, int]) -> None:
-        self._steps += 1
+    def _record(self, scheduled: dict[str, int], decoding: dict[str, int],
+                admitted: list[Candidate], running_lengths: list[int]) -> None:
         lengths = [decoding[rid] + 1 for rid, n in scheduled.items()
                    if n == 1 and rid in decoding]
         if not lengths:
             return
         prefill = sum(n for rid, n in scheduled.items() if rid not in decoding)
-        record = DecodeStepRecord.of(self._steps, lengths, self.align_tolerance, prefill)
+        fitting = sum(fits_a_group(c.length, running_lengths, self.align_tolerance)
+                      for c in admitted)
+        record = DecodeStepRecord.of(self._steps, lengths, self.align_tolerance, prefill,
+                                     admitted=len(admitted), admitted_fitting=fitting,
+                                     max_admit_wait=max((c.waited for c in admitted), default=0))
         self.alignment_records.append(record)
         if self._stats_file is not None:
             self._stats_file.write(json.dumps(dataclasses.asdict(record)) + "\n")
