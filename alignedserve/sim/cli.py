@@ -98,8 +98,10 @@ def _add_policy_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("policies and limits")
     g.add_argument("--policies", nargs="+", default=["aligned,fcfs,static"],
                    metavar="VARIANT", help="POLICY or LABEL=POLICY:key=value:...; comma- or "
-                   "space-separated (keys: SchedulerConfig fields, kernel, launch, host_kv_gb, "
-                   "device_kv_gb, prefetch_link_tokens, topology, dispatch)")
+                   "space-separated; policies: aligned, fcfs, static, vllm-plugin (vLLM with "
+                   "our scheduler plug-in; set align_tolerance=64 for its default) (keys: "
+                   "SchedulerConfig fields, kernel, launch, host_kv_gb, device_kv_gb, "
+                   "prefetch_link_tokens, topology, dispatch, plugin_admission=0|1)")
     g.add_argument("--baseline", default=None, help="label ratios are computed against "
                    "(default: fcfs if present, else the first)")
     g.add_argument("--max-num-seqs", type=int, default=256, help="max requests decoding at once")

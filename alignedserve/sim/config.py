@@ -32,7 +32,8 @@ class SimConfig:
 
     ``device_kv_gb`` / ``host_kv_gb``: explicit budgets (per device / whole host) instead of
     the derived ones. ``prefetch_link_tokens``: None derives it (see ``link_tokens_per_step``),
-    0 means unlimited, as in ``SchedulerConfig``.
+    0 means unlimited, as in ``SchedulerConfig``. ``plugin_admission``: the vLLM plug-in's
+    admission lever, for the ``vllm-plugin`` policy (``sim/plugin_policy.py``).
     """
 
     model: ModelProfile
@@ -45,6 +46,7 @@ class SimConfig:
     device_kv_gb: float | None = None
     host_kv_gb: float | None = None
     prefetch_link_tokens: int | None = None
+    plugin_admission: bool = False
     record_itl: bool = False
     step_samples: int = 3000
 

@@ -1,7 +1,8 @@
 """Drive the engine's real schedulers with SimulatedExecutors over a workload, in virtual time.
 
 One *replica* is one engine: a ``KVStore``, a scheduler from the policy registry (the same
-classes the engine runs, unchanged) whose clock is the executor's virtual clock, and a
+classes the engine runs, unchanged; or ``vllm-plugin``, vLLM with our plug-in, from
+``plugin_policy.py``) whose clock is the executor's virtual clock, and a
 ``SimulatedExecutor``. The loop is the engine's: ``schedule -> execute -> update``, with
 requests added between steps once their arrival time has passed — a request arriving while
 a step runs is seen by the next one, as in the real engine.
@@ -25,10 +26,10 @@ from alignedserve.kv.store import KVStore
 from alignedserve.request import FinishReason, Request
 from alignedserve.sampling_params import SamplingParams
 from alignedserve.sched.plan import StepOutput, StepPlan
-from alignedserve.sched.registry import make_scheduler
 from alignedserve.sim.config import SimConfig
 from alignedserve.sim.costmodel import CostModel
 from alignedserve.sim.executor import SimulatedExecutor
+from alignedserve.sim.plugin_policy import check_launch, make_sim_scheduler
 from alignedserve.step_stats import BatchRecord, StepRecord, StepStats
 
 EOS_ID = 0  # the simulated sampler never emits it; outputs end by length (ignore_eos)
@@ -81,8 +82,9 @@ class _Replica:
         bpt = cfg.model.kv_bytes_per_token
         self.store = KVStore.for_devices(cfg.device_kv_bytes(), cfg.host_kv_bytes(), bpt)
         self.executor = ex = SimulatedExecutor(cost, cfg.node, bpt)
-        self.scheduler = make_scheduler(policy, cfg.scheduler_config(), self.store,
-                                        clock=lambda: ex.now)
+        self.scheduler = make_sim_scheduler(policy, cfg.scheduler_config(), self.store,
+                                            clock=lambda: ex.now,
+                                            plugin_admission=cfg.plugin_admission)
         self.stats = StepStats()
         self.live: dict[str, _Live] = {}
         self.idle_steps = 0
@@ -159,6 +161,7 @@ def simulate(workload: Workload, offsets: Sequence[float], policy: str,
     """Run every request of ``workload`` (due at ``offsets``) to completion under ``policy``."""
     if len(offsets) != len(workload.requests):
         raise ValueError("one arrival offset per request is needed")
+    check_launch(policy, cfg.launch)
     wall = time.perf_counter()
     cost = cfg.cost_model()
     replicas = [_Replica(policy, cfg, cost) for _ in range(cfg.replicas)]

@@ -1,10 +1,11 @@
 """Policy variants on the command line: ``POLICY`` or ``LABEL=POLICY:key=value:key=value``.
 
-A variant runs a registered policy (``aligned``, ``fcfs``, ``static``) with some settings
+A variant runs a policy the simulator knows (the engine's ``aligned``, ``fcfs``, ``static``,
+and ``vllm-plugin``, vLLM with our scheduler plug-in: ``plugin_policy.py``) with some settings
 changed, so one comparison can pair, say, ``static`` on a padded kernel with ``fcfs`` on a
 per-sequence kernel, or run ``aligned`` without its host pool. Keys are the fields of
 ``SchedulerConfig`` (``max_num_seqs``, ``max_wait_steps``, ...) and the per-run fields of
-``SimConfig`` listed in ``SIM_KEYS``.
+``SimConfig`` listed in ``SIM_KEYS`` (``plugin_admission`` takes 0/1).
 """
 
 from __future__ import annotations
@@ -12,14 +13,21 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Mapping
+from typing import Any, Callable, Mapping
 
 from alignedserve.config import SchedulerConfig
 from alignedserve.sim.config import SimConfig
 
-SIM_KEYS: Mapping[str, type] = MappingProxyType({
+
+def _flag(text: str) -> bool:
+    if text not in ("0", "1"):
+        raise ValueError(f"expected 0 or 1, got {text!r}")
+    return text == "1"
+
+
+SIM_KEYS: Mapping[str, Callable[[str], Any]] = MappingProxyType({
     "kernel": str, "launch": str, "host_kv_gb": float, "device_kv_gb": float,
-    "prefetch_link_tokens": int, "topology": str, "dispatch": str})
+    "prefetch_link_tokens": int, "topology": str, "dispatch": str, "plugin_admission": _flag})
 # SchedulerConfig fields parse as the type of their default (int, or str for ``admission``).
 _SCHED_KEYS: Mapping[str, type] = MappingProxyType(
     {f.name: type(f.default) for f in dataclasses.fields(SchedulerConfig)})
@@ -32,20 +40,23 @@ class PolicyVariant:
     overrides: tuple[tuple[str, str], ...] = ()
 
     def apply(self, cfg: SimConfig) -> SimConfig:
-        """``cfg`` with this variant's overrides."""
+        """``cfg`` with this variant's overrides (``vllm-plugin`` launches ``grouped`` unless
+        told otherwise: vLLM makes one attention call per step)."""
         sim, sched = {}, {}
         for key, text in self.overrides:
             if key in SIM_KEYS:
                 sim[key] = SIM_KEYS[key](text)
             else:
                 sched[key] = _SCHED_KEYS[key](text)
+        if self.policy == "vllm-plugin":
+            sim.setdefault("launch", "grouped")
         if sched:
             sim["scheduler"] = dataclasses.replace(cfg.scheduler, **sched)
         return dataclasses.replace(cfg, **sim)
 
 
 def parse_variant(text: str) -> PolicyVariant:
-    from alignedserve.sched.registry import POLICIES
+    from alignedserve.sim.plugin_policy import SIM_POLICIES as POLICIES
 
     label, eq, rest = text.partition("=")
     if not eq:
