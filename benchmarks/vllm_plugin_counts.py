@@ -5,11 +5,16 @@ model, no server) over fixed synthetic workloads with and without the plug-in an
 admission lever, and prints one markdown row per (workload, variant): steps to finish, decode
 rows and length groups per decode step, the bubble a padded kernel would have over the whole
 batch and per group, the share of admissions whose prompt fit a running group, admissions out
-of arrival order, and the longest and mean wait for admission (steps). Deterministic: the same
-command prints the same table.
+of arrival order, the longest and mean wait for admission (steps), the mean churn of the
+scheduled set per step (requests entering or leaving it: what vLLM's persistent input batch
+adds and removes), how often a request left it and came back, the share of steps that used
+the whole token budget, and preemptions. Deterministic: the same command prints the same
+table.
 
     python benchmarks/vllm_plugin_counts.py                 # every workload and variant
     python benchmarks/vllm_plugin_counts.py --workload queued --variant vanilla,lever-64
+    python benchmarks/vllm_plugin_counts.py --workload budget,budget-kv,roomy \
+        --variant vanilla,plugin,vanilla-async,plugin-async
 
 Needs vLLM's venv (``scripts/setup_vllm.sh``).
 """
@@ -36,17 +41,27 @@ WORKLOADS: dict[str, tuple[int, int, int, dict[str, int]]] = {
     # 12 running slots for ~1.3 arrivals per step: a queue forms in front of admission
     "queued": (80, 4, 60, {"max_num_seqs": 12}),
     "queued-deep": (120, 5, 60, {"max_num_seqs": 12}),
+    # prefill chunks and decode rows compete for a 256-token step budget
+    "budget": (160, 6, 120, {"max_num_seqs": 64, "max_num_batched_tokens": 256}),
+    # the same with KV for 3,200 tokens: vLLM preempts too
+    "budget-kv": (160, 6, 120, {"max_num_seqs": 64, "max_num_batched_tokens": 256,
+                                "num_blocks": 200}),
+    # roomy: only admissions and finishes change the scheduled set
+    "roomy": (160, 6, 120, {"max_num_seqs": 64}),
 }
 # name -> (scheduler, plug-in environment beyond the tolerance)
 VARIANTS: dict[str, tuple[str, dict[str, str]]] = {
     "vanilla": ("vanilla", {}),
     "plugin": ("plugin", {}),
+    "vanilla-async": ("vanilla-async", {}),
+    "plugin-async": ("plugin-async", {}),
     **{f"lever-{w}": ("plugin", {"ALIGNEDSERVE_VLLM_ALIGNED_ADMISSION": "1",
                                  "ALIGNEDSERVE_VLLM_MAX_ADMIT_WAIT": str(w)})
        for w in (20, 40, 64, 100000)},
 }
 COLUMNS = ("steps", "rows", "groups", "bubble", "group_bubble", "fitting_share",
-           "out_of_order", "max_wait", "mean_wait")
+           "out_of_order", "max_wait", "mean_wait", "churn", "rejoins", "budget_bound",
+           "preemptions")
 
 
 def run_all(cells: list[tuple[str, str]]) -> list[dict[str, Any]]:

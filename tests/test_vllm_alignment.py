@@ -1,6 +1,7 @@
-"""The vLLM plug-in's admission lever as pure logic (``alignedserve.integrations.alignment``):
-which waiting request is offered first, and the bound on how long any request can be passed
-over. No vLLM needed; the same functions run inside vLLM in ``tests/test_vllm_plugin.py``.
+"""The vLLM plug-in's admission lever and step counts as pure logic
+(``alignedserve.integrations.alignment``): which waiting request is offered first, the bound on
+how long any request can be passed over, and the churn count. No vLLM needed; the same
+functions run inside vLLM in ``tests/test_vllm_plugin.py``.
 """
 
 from __future__ import annotations
@@ -11,8 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from alignedserve.integrations.alignment import (Candidate, WaitClock, admission_order,
-                                                 fits_a_group)
+from alignedserve.integrations.alignment import (Candidate, DecodeStepRecord, WaitClock,
+                                                 admission_order, churn, fits_a_group)
 
 candidates = st.lists(st.builds(Candidate, length=st.integers(1, 400),
                                 waited=st.integers(0, 100), arrival=st.integers(0, 50),
@@ -66,6 +67,13 @@ def test_fitting_requests_go_before_older_ones_until_those_age():
     assert admission_order(pinned, running, 32, 64)[0] == 0
     with pytest.raises(ValueError):
         admission_order(queue, running, -1, 5)
+
+
+def test_churn_counts_requests_entering_and_leaving():
+    assert churn({"a", "b", "c"}, {"b", "c", "d", "e"}) == 3
+    assert churn(set(), set()) == 0
+    record = DecodeStepRecord.of(3, [10, 12], 4, churn=3, admitted=1, admitted_fitting=1)
+    assert (record.churn, record.admitted, record.max_admit_wait) == (3, 1, 0)
 
 
 def test_wait_clock_counts_steps_and_forgets():

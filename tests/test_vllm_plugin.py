@@ -35,7 +35,7 @@ from hypothesis import strategies as st
 
 from alignedserve.integrations.alignment import DecodeStepRecord, length_groups
 from tests.server_process import ROOT, free_port, get_or_none
-from tests.vllm_harness import mixed_requests, passed_over, summary
+from tests.vllm_harness import mixed_requests, passed_over, step_churn, summary
 
 TOLERANCE = 32
 
@@ -95,6 +95,11 @@ HARNESS_RUNS: dict[str, dict] = {
     # KV for ~6 prompts: vLLM preempts while steps are in flight
     "plugin-async-preempting": {"scheduler": "plugin-async", "requests": HARNESS_MIXED,
                                 "env": HARNESS_ENV, "num_blocks": 160},
+    # a 256-token step budget that prefill chunks fill, and KV for 3,200 tokens: the budget
+    # binds and vLLM preempts
+    "plugin-budget-kv": {"scheduler": "plugin", "requests": mixed_requests(160, 6, 120),
+                         "env": HARNESS_ENV, "max_num_seqs": 64,
+                         "max_num_batched_tokens": 256, "num_blocks": 200},
     # 12 running slots for ~1.3 arrivals per step: a queue forms, so admission order matters
     **{f"admission-{lever}{kind}": {
         "scheduler": f"plugin{kind}", "requests": HARNESS_QUEUED, "max_num_seqs": 12,
@@ -171,6 +176,23 @@ def test_async_plugin_under_preemption_loses_nothing(harness):
     assert any(s["preempted"] for s in run["steps"])
     _assert_all_tokens_delivered(run)
     assert all(r["max_group_spread"] <= TOLERANCE for r in run["records"])
+
+
+@pytest.mark.model
+def test_plugin_records_the_churn_of_vllms_scheduled_set(harness):
+    """In every plug-in run (budget-bound, preempting, async ones included) each record's churn
+    is the change in the set of requests vLLM scheduled since the previous step."""
+    budget = harness["runs"]["plugin-budget-kv"]
+    _assert_all_tokens_delivered(budget)
+    counts = summary(budget, TOLERANCE)
+    assert counts["budget_bound"] > 0.2 and counts["preemptions"] > 0
+    checked = 0
+    for name, run in harness["runs"].items():
+        if run["records"]:
+            expected = [c for c, s in zip(step_churn(run), run["steps"]) if s["decode_lengths"]]
+            assert [r["churn"] for r in run["records"]] == expected, name
+            checked += 1
+    assert checked >= 5
 
 
 @pytest.mark.model

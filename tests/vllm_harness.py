@@ -178,6 +178,7 @@ class _Run:
     def _result(self) -> dict[str, Any]:
         records = [dataclasses.asdict(r) for r in getattr(self.scheduler, "alignment_records", ())]
         return {"scheduler": self.spec["scheduler"], "mro": [c.__name__ for c in self.cls.__mro__],
+                "budget": self.scheduler.max_num_scheduled_tokens,
                 "steps": self.steps, "records": records,
                 "requests": {f"r{i}": {"arrival": a, "prompt_len": p, "max_tokens": m,
                                        "first_scheduled": self.first_scheduled.get(f"r{i}"),
@@ -220,7 +221,9 @@ def summary(run: dict[str, Any], tolerance: int) -> dict[str, float]:
     the whole batch and per group (from the steps vLLM scheduled, so the same for every
     scheduler); from the plug-in's records, the share of admissions that fit a running group
     (NaN without the plug-in); admissions out of arrival order; the longest and mean wait for
-    admission (steps)."""
+    admission (steps); the mean churn of the scheduled set per step and how often a request
+    left it and came back (``step_churn``, ``rejoins``); the share of steps that used the whole
+    token budget; preemptions."""
     from alignedserve.integrations.alignment import DecodeStepRecord
 
     decode = [DecodeStepRecord.of(s["step"], s["decode_lengths"], tolerance)
@@ -232,11 +235,29 @@ def summary(run: dict[str, Any], tolerance: int) -> dict[str, float]:
     def mean(key: str) -> float:
         return sum(getattr(r, key) for r in decode) / len(decode)
 
+    sets = [set(s["scheduled"]) for s in run["steps"]]
     return {"steps": len(run["steps"]), "rows": mean("rows"), "groups": mean("groups"),
             "bubble": mean("bubble"), "group_bubble": mean("group_bubble"),
             "fitting_share": fitting / admitted if admitted else float("nan"),
             "out_of_order": len(passed_over(run, None)), "max_wait": max(waits),
-            "mean_wait": sum(waits) / len(waits)}
+            "mean_wait": sum(waits) / len(waits),
+            "churn": sum(step_churn(run)) / len(sets), "rejoins": rejoins(sets),
+            "budget_bound": sum(sum(s["scheduled"].values()) >= run["budget"]
+                                for s in run["steps"]) / len(sets),
+            "preemptions": sum(len(s["preempted"]) for s in run["steps"])}
+
+
+def step_churn(run: dict[str, Any]) -> list[int]:
+    """Per step, requests that entered or left the scheduled set since the previous step."""
+    sets = [set(s["scheduled"]) for s in run["steps"]]
+    return [len(a ^ b) for a, b in zip([set()] + sets, sets)]
+
+
+def rejoins(sets: list[set[str]]) -> int:
+    """Times a request left the scheduled set and was scheduled again later: what vLLM's
+    persistent batch removes and re-adds (finishing requests leave for good)."""
+    last = {rid: t for t, ids in enumerate(sets) for rid in ids}
+    return sum(1 for t in range(1, len(sets)) for rid in sets[t - 1] - sets[t] if last[rid] > t)
 
 
 def _resolved_mro(name: str) -> list[str]:

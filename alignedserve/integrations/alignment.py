@@ -106,6 +106,11 @@ def admission_order(candidates: Sequence[Candidate], running_lengths: Iterable[i
         sorted(rest, key=oldest_first)
 
 
+def churn(before: set[Hashable], after: set[Hashable]) -> int:
+    """Requests that entered or left the scheduled set between two steps."""
+    return len(before ^ after)
+
+
 class WaitClock:
     """Scheduler steps each waiting request has waited: ``observe`` the queue once per step;
     keys no longer waiting are forgotten (a request that comes back starts again)."""
@@ -133,7 +138,10 @@ class DecodeStepRecord:
     batch would pad to); ``bubble`` the share of that padded work lost,
     ``1 - sum(len) / (rows * max(len))``; ``group_bubble`` the same if each length group ran
     as its own padded batch; ``max_group_spread`` the widest group (<= the tolerance).
-    ``admitted``: requests that joined the running set from the waiting queue this step,
+    ``churn``: requests that entered or left the set of scheduled requests since the previous
+    step (admissions, finishes, preemptions, and rows the token budget left out: what vLLM's
+    persistent input batch adds and removes); ``admitted``: requests that joined the running
+    set from the waiting queue this step,
     ``admitted_fitting`` of them whose prompt lay within the tolerance of a running decode
     length, ``max_admit_wait`` the longest any of them had waited (scheduler steps).
     """
@@ -146,6 +154,7 @@ class DecodeStepRecord:
     bubble: float
     group_bubble: float
     prefill_tokens: int
+    churn: int = 0
     admitted: int = 0
     admitted_fitting: int = 0
     max_admit_wait: int = 0
@@ -153,8 +162,8 @@ class DecodeStepRecord:
     @classmethod
     def of(cls, step: int, lengths: list[int], tolerance: int, prefill_tokens: int = 0,
            **counts: int) -> DecodeStepRecord:
-        """The record of decode rows with KV ``lengths``; ``counts`` fills the admission
-        fields."""
+        """The record of decode rows with KV ``lengths``; ``counts`` fills ``churn`` and the
+        admission fields."""
         groups = length_groups(lengths, tolerance)
         total = sum(lengths)
         padded = len(lengths) * max(lengths, default=0)

@@ -42,10 +42,11 @@ What it changes, per step, before vLLM's own ``schedule()`` runs:
   reordered; with ``--scheduling-policy priority`` the queue is left as the user asked.
 
 What it records, per step with decode rows (``alignment.DecodeStepRecord``: rows, groups, the
-KV-length spread, the bubble a padded kernel would have, the widest group, and the requests
-admitted that step: how many, how many fit a running group, the longest wait): a JSON line each in
-the file ``ALIGNEDSERVE_VLLM_STATS`` names (unset: none), and a summary in vLLM's log every
-``ALIGNEDSERVE_VLLM_LOG_EVERY`` steps (default 500; 0: never). Defaults need no variable set.
+KV-length spread, the bubble a padded kernel would have, the widest group, the churn of the
+scheduled set, and the requests admitted that step: how many, how many fit a running group,
+the longest wait): a JSON line each in the file ``ALIGNEDSERVE_VLLM_STATS`` names (unset:
+none), and a summary in vLLM's log every ``ALIGNEDSERVE_VLLM_LOG_EVERY`` steps (default 500;
+0: never). Defaults need no variable set.
 """
 
 from __future__ import annotations
@@ -61,7 +62,8 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
 
 from alignedserve.integrations.alignment import (Candidate, DecodeStepRecord, WaitClock,
-                                                 admission_order, fits_a_group, ordered_groups)
+                                                 admission_order, churn, fits_a_group,
+                                                 ordered_groups)
 
 try:
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -104,6 +106,7 @@ class AlignmentMixin:
         self.max_admit_wait = _env_int("ALIGNEDSERVE_VLLM_MAX_ADMIT_WAIT",
                                        DEFAULT_MAX_ADMIT_WAIT)
         self._wait_clock = WaitClock()
+        self._last_scheduled: set[str] = set()
         logger.info("AlignedServe scheduler (%s): align tolerance %d tokens, aligned admission "
                     "%s (max wait %d steps), stats file %s", type(self).__name__,
                     self.align_tolerance, "on" if self.aligned_admission else "off",
@@ -162,11 +165,15 @@ class AlignmentMixin:
             self._order_waiting(waiting, running_lengths)
         output = super().schedule(*args, **kwargs)
         admitted = [c for rid, c in waiting.items() if rid in output.num_scheduled_tokens]
-        self._record(output.num_scheduled_tokens, decoding, admitted, running_lengths)
+        scheduled = set(output.num_scheduled_tokens)
+        step_churn = churn(self._last_scheduled, scheduled)
+        self._last_scheduled = scheduled
+        self._record(output.num_scheduled_tokens, decoding, admitted, running_lengths,
+                     step_churn)
         return output
 
     def _record(self, scheduled: dict[str, int], decoding: dict[str, int],
-                admitted: list[Candidate], running_lengths: list[int]) -> None:
+                admitted: list[Candidate], running_lengths: list[int], step_churn: int) -> None:
         lengths = [decoding[rid] + 1 for rid, n in scheduled.items()
                    if n == 1 and rid in decoding]
         if not lengths:
@@ -175,7 +182,8 @@ class AlignmentMixin:
         fitting = sum(fits_a_group(c.length, running_lengths, self.align_tolerance)
                       for c in admitted)
         record = DecodeStepRecord.of(self._steps, lengths, self.align_tolerance, prefill,
-                                     admitted=len(admitted), admitted_fitting=fitting,
+                                     churn=step_churn, admitted=len(admitted),
+                                     admitted_fitting=fitting,
                                      max_admit_wait=max((c.waited for c in admitted), default=0))
         self.alignment_records.append(record)
         if self._stats_file is not None:
