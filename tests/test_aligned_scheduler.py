@@ -109,19 +109,25 @@ workloads = st.lists(st.tuples(st.integers(1, 300), st.integers(1, 50), st.integ
 
 @settings(max_examples=50, deadline=None)
 @given(work=workloads, dev_tokens=st.integers(800, 4000), tol=st.integers(0, 4),
-       rows=st.integers(4, 64), wait=st.integers(1, 8))
+       rows=st.integers(4, 64), wait=st.integers(1, 8), cohort_rows=st.integers(1, 64))
 # Two cases found on fresh example databases, once failing: device-resident cohorts that had
 # just starved went before an older starving one on the host, taking turns indefinitely; and a
 # merge on the host made a cohort larger than the device, so it could never run.
 @example(work=[(97, 16, 0, False), (289, 16, 0, False), (289, 16, 0, False),
-               (289, 16, 0, False), (290, 15, 0, False)], dev_tokens=800, tol=0, rows=4, wait=1)
+               (289, 16, 0, False), (290, 15, 0, False)], dev_tokens=800, tol=0, rows=4, wait=1,
+         cohort_rows=4)
 @example(work=[(1, 1, 0, False), (1, 1, 0, False), (1, 1, 0, False), (186, 50, 27, False),
                (176, 50, 33, False), (230, 46, 0, False), (266, 7, 26, False),
                (263, 10, 29, False), (257, 16, 29, False)], dev_tokens=803, tol=4, rows=22,
-         wait=8)
-def test_random_workloads_tolerance_waiting_bound_and_no_loss(work, dev_tokens, tol, rows, wait):
+         wait=8, cohort_rows=16)
+# Found by the replicated-server test: more same-length requests than max_num_seqs joined one
+# cohort (max_cohort_rows was larger) that no step could run; it was dropped and recomputed
+# forever.
+@example(work=[(4, 8, 0, False)] * 10, dev_tokens=4000, tol=2, rows=4, wait=8, cohort_rows=64)
+def test_random_workloads_tolerance_waiting_bound_and_no_loss(work, dev_tokens, tol, rows, wait,
+                                                              cohort_rows):
     sched, ex = build("aligned", dev_tokens=dev_tokens, host_tokens=200_000, align_tolerance=tol,
-                      max_num_seqs=rows, max_cohort_rows=min(rows, 16), max_wait_steps=wait,
+                      max_num_seqs=rows, max_cohort_rows=cohort_rows, max_wait_steps=wait,
                       kv_reserve_tokens=16)
     pending = sorted((arrive, i, p, m, ab) for i, (p, m, arrive, ab) in enumerate(work))
     reqs, last_decode, max_cohorts, worst_wait = {}, {}, 0, 0

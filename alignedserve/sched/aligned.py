@@ -127,7 +127,7 @@ class AlignedScheduler(BaseScheduler):
 
     def _join(self, request: Request) -> None:
         tier = self.store.tier_of(request.kv)
-        tol, max_rows = self.config.align_tolerance, self.config.max_cohort_rows
+        tol, max_rows = self.config.align_tolerance, self._max_rows
         joinable = [c for c in self.cohorts.values()
                     if c.tier == tier and c.accepts(request, tol, max_rows, self._fits_device)]
         if joinable:
@@ -138,6 +138,14 @@ class AlignedScheduler(BaseScheduler):
         cohort.requests.append(request)
         self._cohort_of[request.request_id] = cohort
 
+    @property
+    def _max_rows(self) -> int:
+        """The most rows a cohort may have: ``max_cohort_rows``, and no more than one step can
+        decode (a cohort above ``max_num_seqs`` or the token budget could never be chosen,
+        and would be dropped and recomputed forever)."""
+        c = self.config
+        return max(1, min(c.max_cohort_rows, c.max_num_seqs, c.max_num_batched_tokens))
+
     def _fits_device(self, requests: list[Request]) -> bool:
         """Whether ``requests`` may form one cohort: their KV, plus a growth block per row,
         fits the compute device on its own (so any one cohort can always be made resident,
@@ -146,9 +154,9 @@ class AlignedScheduler(BaseScheduler):
         return kv + len(requests) * self.store.granularity <= self.store.total(self.device)
 
     def _reshape(self) -> None:
-        """Merge cohorts whose lengths met; split the ones above ``max_cohort_rows`` or grown
-        too large for the device."""
-        tol, max_rows = self.config.align_tolerance, self.config.max_cohort_rows
+        """Merge cohorts whose lengths met; split the ones above ``_max_rows`` or grown too
+        large for the device."""
+        tol, max_rows = self.config.align_tolerance, self._max_rows
         cohorts = list(self.cohorts.values())
         for keep, absorbed in merge_pass(cohorts, tol, max_rows, self._fits_device):
             for request in absorbed.requests:
@@ -203,7 +211,7 @@ class AlignedScheduler(BaseScheduler):
         within ``catchup_window`` steps of meeting it; starving cohorts are never held.
         """
         window, tol = self.config.catchup_window, self.config.align_tolerance
-        max_rows = self.config.max_cohort_rows
+        max_rows = self._max_rows
         small = [c for c in ready if c.rows <= max_rows // 2]
         small.sort(key=lambda c: (c.tier, c.min_len))
         held: set[Cohort] = set()
