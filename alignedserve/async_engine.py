@@ -62,6 +62,7 @@ class AsyncEngine:
         self._sinks: dict[str, tuple[asyncio.Queue, asyncio.AbstractEventLoop]] = {}
         self._pending = 0  # accepted and not yet finished (touched only on the event loop)
         self._ids = itertools.count()
+        self.failed_steps = 0  # engine steps that raised (their requests failed; serving went on)
         self._stop = threading.Event()
         self._built: queue.SimpleQueue = queue.SimpleQueue()  # None, or the build's exception
         self._thread = threading.Thread(target=self._run, args=(make_engine,), name="engine",
@@ -164,6 +165,7 @@ class AsyncEngine:
             outputs = self.engine.step()
         except Exception as exc:  # a failed step fails its requests, not the server
             log.exception("engine step failed")
+            self.failed_steps += 1
             self._fail_all(RuntimeError(f"engine step failed: {exc}"))
             return
         # One cross-thread wake-up per event loop per step, not one per request.

@@ -145,22 +145,8 @@ class LLMEngine:
 
     def validate_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError with a clear message if the request cannot be served."""
-        if not prompt_token_ids:
-            raise ValueError("the prompt is empty")
-        vocab = self.loaded.config.vocab_size
-        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}")
-        n = len(prompt_token_ids)
-        if n >= self.max_model_len:
-            raise ValueError(f"prompt has {n} tokens but the model context is "
-                             f"{self.max_model_len} tokens (room is needed for one output)")
-        if params.max_tokens is not None and n + params.max_tokens > self.max_model_len:
-            raise ValueError(f"this model's maximum context length is {self.max_model_len} "
-                             f"tokens, but {n} prompt tokens + max_tokens {params.max_tokens} "
-                             f"were requested")
-        if params.n > 64:
-            raise ValueError(f"n must be <= 64, got {params.n}")
+        validate_prompt(prompt_token_ids, params, self.loaded.config.vocab_size,
+                        self.max_model_len)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                     arrival_time: float | None = None) -> None:
@@ -270,3 +256,24 @@ class LLMEngine:
 
     def close(self) -> None:
         self.executor.close()
+
+
+def validate_prompt(prompt_token_ids: list[int], params: SamplingParams, vocab_size: int,
+                    max_model_len: int) -> None:
+    """Raise ValueError with a clear message if a model of this vocabulary and context cannot
+    serve the request (a pure function, so a front end without the model checks the same)."""
+    if not prompt_token_ids:
+        raise ValueError("the prompt is empty")
+    bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"prompt token ids must be integers in [0, {vocab_size}); got {bad[:5]}")
+    n = len(prompt_token_ids)
+    if n >= max_model_len:
+        raise ValueError(f"prompt has {n} tokens but the model context is "
+                         f"{max_model_len} tokens (room is needed for one output)")
+    if params.max_tokens is not None and n + params.max_tokens > max_model_len:
+        raise ValueError(f"this model's maximum context length is {max_model_len} "
+                         f"tokens, but {n} prompt tokens + max_tokens {params.max_tokens} "
+                         f"were requested")
+    if params.n > 64:
+        raise ValueError(f"n must be <= 64, got {params.n}")

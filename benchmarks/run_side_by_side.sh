@@ -9,7 +9,9 @@
 # aligned-arrival the aligned policy admitting in arrival order (--admission fcfs), and
 # NAME-4k ours with KV caches and weights on 4 KiB pages (ALIGNEDSERVE_HUGE_PAGES=0), and
 # vllm-aligned vLLM with our scheduler plug-in (docs/vllm_plugin.md; its per-step records go
-# to OUTDIR/vllm-aligned-stats.jsonl).
+# to OUTDIR/vllm-aligned-stats.jsonl), and replicasN-ROUTER ours as N engine replicas on Ray
+# Serve sharing the machine's cores (serve --replicas N --router ROUTER, ROUTER one of kv,
+# kv+length, ray, round_robin; docs/deployment.md).
 # Workloads: varied, uniform (synthetic), conv, code (Azure 2023 traces from TRACE_DIR);
 # conv@S / code@S replay a trace at time scale S (a load sweep: conv@60 conv@120 ...).
 set -uo pipefail
@@ -49,6 +51,11 @@ start() {  # target -> sets PID and PORT
   [[ $1 == *-flat ]] && kv=(--no-tiled-kv)
   [[ $1 == *-arrival ]] && kv=(--admission fcfs)
   [[ $1 == *-4k ]] && envs=(ALIGNEDSERVE_HUGE_PAGES=0)  # KV and weights on 4 KiB pages
+  if [[ $1 == replicas* ]]; then  # replicasN-ROUTER: N replicas share the cores
+    local n=${1#replicas}; n=${n%%-*}
+    local threads=$(( $(nproc) / n )); [ "$threads" -lt 1 ] && threads=1
+    engine=aligned; kv=(--replicas "$n" --num-threads "$threads" --router "${1#*-}")
+  fi
   case $engine in
     vllm) PORT=8101; env "${envs[@]}" "$PEERS/start_vllm.sh" "${kv[@]}" > "$OUT/$1.log" 2>&1 & PID=$! ;;
     llamacpp) PORT=8102; "$PEERS/start_llamacpp.sh" --no-cache-prompt > "$OUT/$1.log" 2>&1 & PID=$! ;;

@@ -34,7 +34,8 @@ def get_or_none(url: str, path: str, timeout: float = 5.0) -> httpx.Response | N
 
 
 @contextmanager
-def serve_default_model(*args: str, start_timeout_s: float = 600
+def serve_default_model(*args: str, start_timeout_s: float = 600,
+                        env: dict[str, str] | None = None
                         ) -> Iterator[tuple[str, subprocess.Popen]]:
     """(base URL, process) of ``alignedserve serve ARGS`` once /health answers 200; on exit
     SIGTERM (if still running), then kill after 60 s. Fails the test if it does not start."""
@@ -43,7 +44,7 @@ def serve_default_model(*args: str, start_timeout_s: float = 600
     cmd = [sys.executable, "-m", "alignedserve.entrypoints.cli", "serve", "--port", str(port),
            *args]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+                            env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + start_timeout_s
     while (r := get_or_none(url, "/health", 2)) is None or r.status_code != 200:

@@ -1,13 +1,15 @@
 """The package's import rule, checked over every module's source (no imports executed).
 
-    entrypoints (server, CLI, offline LLM) -> async_engine -> engine
+    cluster (replicas on Ray Serve) -> entrypoints (server, CLI, offline LLM) -> async_engine
+    -> engine
     engine -> {core: sched + kv + request (pure Python, no torch), worker: executor} -> model
     -> kernels
 
 Each layer may import the layers below it, never one above; ``config``, ``sampling_params``,
 ``outputs``, ``kernels.isa`` and the package root (``__version__``) are shared leaves any
 layer may import. ``bench`` and ``sim`` are research tools on top: nothing in the serving path
-imports them, except the CLI, lazily (inside the function that runs the subcommand).
+imports them, except the CLI, lazily (inside the function that runs the subcommand); the
+server starts ``cluster`` the same way, for ``serve --replicas``.
 ``integrations`` (plug-ins loaded by other engines) imports only the shared leaves, and
 nothing imports it, except the simulator, which imports the pure ``integrations.alignment``
 (standard library only) to model the vLLM plug-in with the plug-in's own functions.
@@ -38,16 +40,18 @@ ALLOWED: dict[str, set[str]] = {
     "step_stats": {"kv", "sched"},
     "engine": {"executor", "model", "kernels", "kv", "request", "sched", "step_stats"},
     "async_engine": {"engine"},
-    "entrypoints": {"async_engine", "engine", "step_stats"},
+    "entrypoints": {"async_engine", "engine", "step_stats", "cluster"},
+    # scale-out: replicas (engines) behind the server's front end
+    "cluster": {"entrypoints", "async_engine", "engine", "step_stats"},
     # research tools: may use the core and the model's config, and each other
     "bench": {"engine", "entrypoints", "model", "sched", "kv", "request", "step_stats", "sim"},
-    "sim": {"bench", "engine", "model", "sched", "kv", "request", "step_stats"},
+    "sim": {"bench", "engine", "model", "sched", "kv", "request", "step_stats", "cluster"},
     # plug-ins for other engines: loaded inside those engines, so they use nothing of ours
     # beyond the shared leaves and themselves (no torch, no engine of our own)
     "integrations": set(),
 }
 # (layer, target) pairs allowed only inside a function: the CLI starts the tools on demand.
-LAZY_ONLY = {("entrypoints", "bench"), ("entrypoints", "sim")}
+LAZY_ONLY = {("entrypoints", "bench"), ("entrypoints", "sim"), ("entrypoints", "cluster")}
 
 
 # (layer, module) pairs allowed across the rule: the simulator models the vLLM plug-in with the

@@ -76,6 +76,19 @@ def test_data_parallel_replicas_conserve_requests(policy):
     assert all(r.ok for r in res.records)
 
 
+@pytest.mark.parametrize("dispatch", ["kv", "kv+length", "round-robin"])
+def test_the_served_replica_router_runs_over_many_simulated_replicas(dispatch):
+    """The same routing code as ``serve --replicas``, over 2 nodes x 2 devices."""
+    w = varied(60)
+    cfg = small_config(node=node_profile("a100", 2), topology="dp", dispatch=dispatch, nodes=2)
+    res = simulate(w, poisson(w, 80.0), "aligned", cfg)
+    assert res.engine_stats["replicas"] == 4
+    assert all(r.ok for r in res.records) and len(res.records) == 60
+    assert "2 node(s)" in res.notes[0] and dispatch in res.notes[0]
+    with pytest.raises(ValueError, match="nodes"):
+        small_config(nodes=2)  # several nodes only as data-parallel replicas
+
+
 @pytest.mark.parametrize("policy", POLICY_NAMES)
 def test_staging_devices_carry_prefetch_and_everything_finishes(policy):
     w = varied(40)

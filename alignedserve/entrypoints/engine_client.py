@@ -22,8 +22,9 @@ from collections.abc import AsyncIterator, Callable, Sequence
 
 from starlette.types import Receive
 
-from alignedserve.async_engine import AsyncEngine, EngineDead, EngineOverloaded
+from alignedserve.async_engine import EngineDead, EngineOverloaded
 from alignedserve.engine import QueueFull
+from alignedserve.entrypoints.engine_backend import EngineBackend
 from alignedserve.entrypoints.openai_errors import APIError, bad_request, overloaded, server_error
 from alignedserve.outputs import RequestOutput
 from alignedserve.sampling_params import SamplingParams
@@ -71,7 +72,7 @@ class Admission:
 class EngineRun:
     """The engine requests (one per prompt, all with the same params) behind one HTTP request."""
 
-    def __init__(self, engine: AsyncEngine, request_id: str, prompts: Sequence[list[int]],
+    def __init__(self, engine: EngineBackend, request_id: str, prompts: Sequence[list[int]],
                  params: SamplingParams, on_end: Callable[[EngineRun], None],
                  on_request_end: RequestEndHook):
         self.request_id = request_id
@@ -155,10 +156,6 @@ def _failure_of(out: RequestOutput) -> str | None:
     return None
 
 
-def engine_alive(engine: AsyncEngine) -> bool:
-    return engine.is_running
-
-
 async def _wait_disconnect(receive: Receive) -> None:
     while (await receive())["type"] != "http.disconnect":
         pass
@@ -234,7 +231,7 @@ class ServerLifecycle:
 class EngineClient:
     """The handlers' one door to the engine: admits, starts and tracks ``EngineRun``s."""
 
-    def __init__(self, engine: AsyncEngine, admission: Admission, lifecycle: ServerLifecycle,
+    def __init__(self, engine: EngineBackend, admission: Admission, lifecycle: ServerLifecycle,
                  on_request_end: RequestEndHook, on_rejected: Callable[[str], None],
                  retry_after_s: int = 1):
         self.engine = engine

@@ -51,6 +51,19 @@ class ModelInfo:
         return cls(engine.tokenizer, vocab, engine.max_model_len, engine.validate_prompt,
                    _max_token_chars(engine.tokenizer, vocab), engine.kernels.path)
 
+    @classmethod
+    def from_facts(cls, tokenizer: Any, vocab_size: int, max_model_len: int,
+                   kernel_path: str) -> ModelInfo:
+        """For a front end without the model (replicas elsewhere): the engine's own checks,
+        run on the facts they depend on."""
+        from functools import partial
+
+        from alignedserve.engine import validate_prompt
+
+        check = partial(validate_prompt, vocab_size=vocab_size, max_model_len=max_model_len)
+        return cls(tokenizer, vocab_size, max_model_len, check,
+                   _max_token_chars(tokenizer, vocab_size), kernel_path)
+
     async def encode(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
         """Token ids of ``text``; 400 for invalid Unicode or a text that cannot fit the context."""
         _utf8_len(text, param)

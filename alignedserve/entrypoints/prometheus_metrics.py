@@ -142,8 +142,7 @@ class EngineCollector(Collector):
 class ServerMetrics:
     """The metrics of one server app; call order: construct, then observe_* from the loop."""
 
-    def __init__(self, model_name: str, engine: Any | None = None,
-                 extra_gauges: Callable[[], dict[str, tuple[str, float]]] | None = None):
+    def __init__(self, model_name: str, engine_series: Collector | None = None):
         self.model_name = model_name
         self.registry = CollectorRegistry()
         r, labels = self.registry, ["model_name"]
@@ -162,8 +161,8 @@ class ServerMetrics:
                                  labels + ["finished_reason"], registry=r)
         self._rejected = Counter(P + "request_rejected", "Requests refused before the engine.",
                                  labels + ["reason"], registry=r)
-        if engine is not None:
-            r.register(EngineCollector(engine, model_name, extra_gauges))
+        if engine_series is not None:
+            r.register(engine_series)
 
     def observe_request_end(self, out: RequestOutput | None) -> None:
         """Record an engine request that ended; ``out`` is its last output (None: no output)."""

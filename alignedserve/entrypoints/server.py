@@ -1,6 +1,6 @@
 """``alignedserve serve``: the OpenAI-compatible HTTP server (FastAPI + uvicorn).
 
-``build_app(async_engine, settings)`` makes the ASGI app (tests drive it in-process);
+``build_app(engine, settings)`` makes the ASGI app (tests drive it in-process);
 ``serve_app`` runs it under uvicorn with graceful shutdown; ``add_parser`` registers the CLI
 subcommand. fastapi/uvicorn and the engine are imported inside functions so that the CLI
 (which imports this module to build its parser) starts fast.
@@ -25,29 +25,34 @@ if TYPE_CHECKING:
     from fastapi import FastAPI
 
     from alignedserve.async_engine import AsyncEngine
+    from alignedserve.entrypoints.engine_backend import EngineBackend
 
 log = logging.getLogger(__name__)
 API_KEY_ENV = "ALIGNEDSERVE_API_KEY"
 
 
-def build_app(async_engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
+def build_app(engine: AsyncEngine | EngineBackend, settings: ServerSettings) -> FastAPI:
+    """The app over ``engine``: an in-process ``AsyncEngine`` or any ``EngineBackend``."""
     from contextlib import asynccontextmanager
 
     from fastapi import FastAPI
 
     from alignedserve import __version__
+    from alignedserve.entrypoints.engine_backend import as_backend
     from alignedserve.entrypoints.http_guards import ApiKeyGuard, BodyGuard
     from alignedserve.entrypoints.openai_errors import install_error_handlers
     from alignedserve.entrypoints.server_routes import api_router
 
-    state = build_state(async_engine, settings)
+    backend = as_backend(engine)
+    state = build_state(backend, settings)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
         state.lifecycle.bind(asyncio.get_running_loop())
+        await backend.start()
         yield
         if settings.owns_engine:
-            await asyncio.to_thread(async_engine.shutdown)
+            await asyncio.to_thread(backend.shutdown)
 
     app = FastAPI(title="AlignedServe", version=__version__, lifespan=lifespan)
     app.state.server = state
@@ -84,6 +89,7 @@ def serve_app(app: FastAPI, host: str, port: int, log_level: str = "info",
 # ---- command line ------------------------------------------------------------------------------
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    from alignedserve.cluster.launch import add_replica_args
     from alignedserve.entrypoints.args import add_engine_args
 
     p = subparsers.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
@@ -109,6 +115,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     g.add_argument("--no-ui", dest="ui", action="store_false",
                    help="do not serve the web console at / (the API is unchanged)")
     add_engine_args(p, preallocate_kv=True)
+    add_replica_args(p)
     p.set_defaults(func=_serve)
 
 
@@ -124,19 +131,26 @@ def _serve(args: argparse.Namespace) -> int:
         raise ValueError("--max-queue, --max-body-bytes and --shutdown-grace must be positive")
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     config = engine_config_from_args(args)
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not api_key:
+        log.warning("serving on %s without an API key: anyone who can reach it can use it",
+                    args.host)
+
+    def settings_for(names: tuple[str, ...], max_inflight: int) -> ServerSettings:
+        return ServerSettings(model_names=names, api_key=api_key, max_inflight=max_inflight,
+                              max_body_bytes=args.max_body_bytes,
+                              shutdown_grace_s=args.shutdown_grace, ui=args.ui)
+
+    if args.replicas:
+        from alignedserve.cluster.launch import serve_replicated
+
+        return serve_replicated(args, config, settings_for)
     max_inflight = args.max_num_seqs + args.max_queue
     # The engine thread builds the engine, so one thread does all of the model's torch work.
     # The engine's own bound counts requests; ours counts sequences (>= requests), so the
     # server's 503 always comes first and the engine never refuses what we admitted.
     async_engine = AsyncEngine(lambda: LLMEngine(config), max_pending=max_inflight)
     names = tuple(args.served_model_name or [args.model or async_engine.engine.loaded.name])
-    settings = ServerSettings(
-        model_names=names, api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
-        max_inflight=max_inflight, max_body_bytes=args.max_body_bytes,
-        shutdown_grace_s=args.shutdown_grace, ui=args.ui)
-    if args.host not in ("127.0.0.1", "localhost", "::1") and not settings.api_key:
-        log.warning("serving on %s without an API key: anyone who can reach it can use it",
-                    args.host)
-    app = build_app(async_engine, settings)
-    serve_app(app, args.host, args.port, args.log_level, args.access_log)
+    serve_app(build_app(async_engine, settings_for(names, max_inflight)), args.host, args.port,
+              args.log_level, args.access_log)
     return 0

@@ -14,8 +14,6 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from alignedserve import __version__
-from alignedserve.entrypoints.engine_client import engine_alive
-from alignedserve.entrypoints.engine_state import engine_snapshot
 from alignedserve.entrypoints.openai_errors import APIError, bad_request, server_error
 from alignedserve.entrypoints.openai_protocol import (
     ChatCompletionRequest,
@@ -54,7 +52,7 @@ def _card(request: Request, name: str) -> ModelCard:
 
 async def health(request: Request) -> Response:
     state = _state(request)
-    if not engine_alive(state.engine):
+    if not state.engine.is_running:
         raise server_error("the engine has stopped", status=503)
     if state.lifecycle.draining:
         raise server_error("the server is shutting down", status=503)
@@ -80,7 +78,7 @@ async def metrics(request: Request) -> Response:
 
 def _snapshot(request: Request) -> dict:
     state = _state(request)
-    return engine_snapshot(state.engine.engine, state.settings.model_names[0], state.latencies)
+    return state.engine.snapshot(state.settings.model_names[0], state.latencies)
 
 
 async def engine_state(request: Request) -> JSONResponse:

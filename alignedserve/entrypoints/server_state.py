@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from alignedserve.async_engine import AsyncEngine
+    from alignedserve.entrypoints.engine_backend import EngineBackend
     from alignedserve.entrypoints.engine_client import EngineClient, ServerLifecycle
     from alignedserve.entrypoints.engine_state import RecentLatencies
     from alignedserve.entrypoints.openai_prepare import ModelInfo
@@ -41,7 +41,7 @@ class ServerState:
     """Everything the route handlers share, kept on ``app.state.server`` (not in globals)."""
 
     settings: ServerSettings
-    engine: AsyncEngine
+    engine: EngineBackend
     client: EngineClient
     info: ModelInfo
     metrics: ServerMetrics
@@ -49,10 +49,9 @@ class ServerState:
     latencies: RecentLatencies  # TTFT/TPOT of recently finished requests, for /engine/state
 
 
-def build_state(async_engine: AsyncEngine, settings: ServerSettings) -> ServerState:
+def build_state(engine: EngineBackend, settings: ServerSettings) -> ServerState:
     from alignedserve.entrypoints.engine_client import Admission, EngineClient, ServerLifecycle
     from alignedserve.entrypoints.engine_state import RecentLatencies
-    from alignedserve.entrypoints.openai_prepare import ModelInfo
     from alignedserve.entrypoints.prometheus_metrics import ServerMetrics
 
     admission = Admission(settings.max_inflight)
@@ -64,14 +63,15 @@ def build_state(async_engine: AsyncEngine, settings: ServerSettings) -> ServerSt
                 "num_sequences_admitted_limit": ("The server's queue bound, in sequences.",
                                                  admission.limit)}
 
-    metrics = ServerMetrics(settings.model_names[0], async_engine.engine, server_gauges)
+    name = settings.model_names[0]
+    metrics = ServerMetrics(name, engine.collector(name, server_gauges))
     latencies = RecentLatencies()
 
     def observe_request_end(out) -> None:
         metrics.observe_request_end(out)
         latencies.observe(out)
 
-    client = EngineClient(async_engine, admission, lifecycle, observe_request_end,
+    client = EngineClient(engine, admission, lifecycle, observe_request_end,
                           metrics.observe_rejected, settings.retry_after_s)
-    return ServerState(settings, async_engine, client, ModelInfo.of(async_engine.engine),
-                       metrics, lifecycle, latencies)
+    return ServerState(settings, engine, client, engine.model_info(), metrics, lifecycle,
+                       latencies)

@@ -63,6 +63,7 @@ def _add_workload_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_system_args(p: argparse.ArgumentParser) -> None:
+    from alignedserve.sim.config import DISPATCH
     from alignedserve.sim.hardware import LINKS, hardware_names
     from alignedserve.sim.models import model_names
 
@@ -74,8 +75,11 @@ def _add_system_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--topology", choices=["staging", "dp"], default="staging",
                    help="staging: one engine, dev0 computes, peers stage KV (the engine's "
                    "semantics); dp: one replica per device")
-    g.add_argument("--dispatch", choices=["round-robin", "least-loaded"], default="round-robin",
-                   help="how dp replicas get requests")
+    g.add_argument("--dispatch", choices=list(DISPATCH), default="round-robin",
+                   help="how dp replicas get requests (kv, kv+length: the served replica "
+                   "router of serve --replicas)")
+    g.add_argument("--nodes", type=int, default=1,
+                   help="dp: identical nodes (replicas = nodes x --num-devices)")
     g.add_argument("--host-link", choices=sorted(LINKS), default=None,
                    help="host<->device link (default: PCIe Gen4 for A100, Gen5 for H100/H200)")
     g.add_argument("--peer-link", choices=sorted(LINKS) + ["none"], default=None,

@@ -44,7 +44,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
     launch = args.attention_launch or node.attention_launch
     return SimConfig(model, node, kernel, launch, sched,
                      args.topology, args.dispatch, args.device_kv_gb, args.host_kv_gb,
-                     args.prefetch_link_tokens, record_itl=args.itl)
+                     args.prefetch_link_tokens, record_itl=args.itl, nodes=args.nodes)
 
 
 def load_workload(args: argparse.Namespace, model: ModelProfile) -> Workload:

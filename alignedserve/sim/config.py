@@ -5,7 +5,8 @@ Two topologies of an N-device node:
 * ``staging`` (the engine's own semantics): one engine; ``dev0`` holds the weights and
   computes, ``dev1..`` are KV tiers that stage batches for it (GPU-Prefetch-For-GPU);
 * ``dp``: N data-parallel replicas, each a separate engine (own scheduler, one device,
-  1/N of the host budget), requests dispatched round-robin or to the least loaded.
+  1/N of the host budget), on ``nodes`` identical nodes; requests dispatched round-robin, to
+  the fewest in flight, or by the served replica router (``kv``, ``kv+length``).
 
 KV budgets default to what a serving engine would get: device memory less the reserved
 fraction, less the weights on the compute device; half the host RAM for the host tier.
@@ -22,7 +23,8 @@ from alignedserve.sim.hardware import GiB, NodeProfile
 from alignedserve.sim.models import ModelProfile
 
 TOPOLOGIES = ("staging", "dp")
-DISPATCH = ("round-robin", "least-loaded")
+# kv / kv+length: the served router's decision (cluster/routing.py) on exact replica state
+DISPATCH = ("round-robin", "least-loaded", "kv", "kv+length")
 HOST_KV_FRACTION = 0.5
 
 
@@ -49,6 +51,7 @@ class SimConfig:
     plugin_admission: bool = False
     record_itl: bool = False
     step_samples: int = 3000
+    nodes: int = 1  # dp: identical nodes, one replica per device on each
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kernel", AttentionKernel(self.kernel))  # accept names
@@ -57,10 +60,12 @@ class SimConfig:
             raise ValueError(f"topology must be one of {TOPOLOGIES}, got {self.topology!r}")
         if self.dispatch not in DISPATCH:
             raise ValueError(f"dispatch must be one of {DISPATCH}, got {self.dispatch!r}")
+        if self.nodes < 1 or (self.nodes > 1 and self.topology != "dp"):
+            raise ValueError("nodes must be >= 1, and more than one only with topology dp")
 
     @property
     def replicas(self) -> int:
-        return self.node.num_devices if self.topology == "dp" else 1
+        return self.nodes * self.node.num_devices if self.topology == "dp" else 1
 
     @property
     def devices_per_replica(self) -> int:
@@ -88,7 +93,7 @@ class SimConfig:
             total = self.host_kv_gb * GiB
         else:
             total = self.node.host.ram_bytes * HOST_KV_FRACTION
-        return int(total / self.replicas)
+        return int(total * self.nodes / self.replicas)  # each node's host RAM, shared
 
     def scheduler_config(self) -> SchedulerConfig:
         tokens = self.prefetch_link_tokens

@@ -9,6 +9,9 @@ a step runs is seen by the next one, as in the real engine.
 
 With several replicas (topology ``dp``) the replica furthest behind in virtual time steps
 next, so arrivals are dispatched in time order. An idle replica jumps to the next arrival.
+Dispatch ``kv`` / ``kv+length`` runs the served replica router's own code
+(``cluster/routing.py``) on exact replica state (the served one sees reports up to half a
+second old, corrected by what it sent since).
 
 Results are the benchmark tool's ``RequestRecord``s (times in virtual seconds from the first
 arrival), so ``alignedserve.bench`` computes metrics and writes reports unchanged.
@@ -16,12 +19,14 @@ arrival), so ``alignedserve.bench`` computes metrics and writes reports unchange
 
 from __future__ import annotations
 
+import random
 import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from alignedserve.bench.records import RequestRecord, StepSample
 from alignedserve.bench.workloads import RequestSpec, Workload
+from alignedserve.cluster.routing import ReplicaLoad, Router
 from alignedserve.kv.store import KVStore
 from alignedserve.request import FinishReason, Request
 from alignedserve.sampling_params import SamplingParams
@@ -90,6 +95,17 @@ class _Replica:
         self.idle_steps = 0
         self._device_tiers = self.store.device_tiers
         self._device_total = sum(self.store.total(t) for t in self._device_tiers)
+
+    def load(self, replica_id: str) -> ReplicaLoad:
+        """What a served replica reports to the router (``cluster/replica.py``), exactly."""
+        store = self.store
+        queued = sum(live.spec.prompt_len for live in self.live.values()
+                     if live.request.kv is None)
+        groups = tuple((round((g.min_len + g.max_len) / 2), g.rows)
+                       for g in self.scheduler.decode_groups())
+        return ReplicaLoad(replica_id, sum(store.used(t) for t in store.tiers) + queued,
+                           max(1, self._device_total), self.scheduler.num_running(),
+                           self.scheduler.num_waiting(), groups)
 
     def add(self, live: _Live) -> None:
         self.executor.advance_to(live.request.arrival_time)
@@ -168,6 +184,7 @@ def simulate(workload: Workload, offsets: Sequence[float], policy: str,
     order = sorted(range(len(offsets)), key=lambda i: (offsets[i], i))
     records: list[RequestRecord] = []
     sampler = _StepSampler(cfg.step_samples) if cfg.step_samples else None
+    dispatch = _Dispatcher(cfg.dispatch)
     nxt = 0
     while True:
         current = _earliest_busy(replicas)
@@ -176,7 +193,7 @@ def simulate(workload: Workload, offsets: Sequence[float], policy: str,
         horizon = current.executor.now if current else offsets[order[nxt]]
         while nxt < len(order) and offsets[order[nxt]] <= horizon:
             i = order[nxt]
-            target = _dispatch(replicas, cfg.dispatch, nxt)
+            target = dispatch(replicas, workload.requests[i].prompt_len)
             target.add(_make_live(workload.requests[i], offsets[i], cfg.model.max_model_len,
                                   cfg.record_itl))
             nxt += 1
@@ -200,10 +217,23 @@ def _earliest_busy(replicas: list[_Replica]) -> _Replica | None:
     return best
 
 
-def _dispatch(replicas: list[_Replica], rule: str, counter: int) -> _Replica:
-    if rule == "least-loaded":
-        return min(replicas, key=lambda r: len(r.live))
-    return replicas[counter % len(replicas)]
+class _Dispatcher:
+    """Which replica gets the next arrival: round-robin, the fewest requests in flight, or the
+    served router's ``Router.rank`` (``kv``, ``kv+length``) on each replica's exact state."""
+
+    def __init__(self, rule: str):
+        self.rule, self.turn = rule, 0
+        self.router = Router(rule) if rule in ("kv", "kv+length") else None
+        self.rng = random.Random(0)
+
+    def __call__(self, replicas: list[_Replica], prompt_tokens: int) -> _Replica:
+        self.turn += 1
+        if self.rule == "least-loaded":
+            return min(replicas, key=lambda r: len(r.live))
+        if self.router is None:
+            return replicas[(self.turn - 1) % len(replicas)]
+        loads = [r.load(str(i)) for i, r in enumerate(replicas)]
+        return replicas[int(self.router.rank(loads, prompt_tokens, self.rng)[0])]
 
 
 def _engine_stats(replicas: list[_Replica], cfg: SimConfig) -> dict[str, Any]:
@@ -230,7 +260,8 @@ def _engine_stats(replicas: list[_Replica], cfg: SimConfig) -> dict[str, Any]:
 
 def _notes(cfg: SimConfig) -> list[str]:
     node = cfg.node
-    topo = (f"{cfg.replicas} data-parallel replicas, one device each, dispatch {cfg.dispatch}"
+    topo = (f"{cfg.replicas} data-parallel replicas ({cfg.nodes} node(s)), one device each, "
+            f"dispatch {cfg.dispatch}"
             if cfg.topology == "dp" else
             f"one engine: dev0 computes, {node.num_devices - 1} peer device(s) stage KV")
     return [f"simulated: {cfg.model.name} on {node.name} ({topo}); decode attention kernel "
