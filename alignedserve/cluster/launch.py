@@ -52,10 +52,11 @@ def add_replica_args(parser: argparse.ArgumentParser) -> None:
                    help="CPUs Ray reserves per replica (default: --num-threads, else the "
                         "machine's CPUs divided among the replicas)")
     g.add_argument("--replica-gpus", type=float, default=0.0, help="GPUs per replica")
-    g.add_argument("--router", default="kv", choices=ROUTERS,
-                   help="how requests are spread: kv (power of two choices on KV load), "
-                        "kv+length (the same, preferring a replica decoding at the request's "
-                        "length), ray (Ray Serve's default), round_robin")
+    g.add_argument("--router", default="kv+length", choices=ROUTERS,
+                   help="how requests are spread: kv+length (default: power of two choices on "
+                        "KV load, preferring a replica decoding at the request's length), kv "
+                        "(without the length preference), ray (Ray Serve's default), "
+                        "round_robin")
 
 
 def replica_resources(args: argparse.Namespace) -> tuple[float, int]:
