@@ -9,8 +9,8 @@ the project's venv), in two ways:
   for the whole module, a few seconds after vLLM's import), with two steps in flight for the
   async ones as vLLM's engine core runs them;
 * a real OpenAI server on the default model converted to a Hugging Face directory in this
-  module's scratch space: once without the plug-in, once with it (``--scheduler-cls``, with
-  its admission lever on), one after the other.
+  module's scratch space: once without the plug-in, once with it (``--scheduler-cls``, its
+  defaults: admission lever off), one after the other.
 
 They skip, saying why, where that venv could not be installed.
 """
@@ -236,9 +236,12 @@ class VllmServer:
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "0-1",
                "HF_HUB_OFFLINE": "1", "VLLM_CACHE_ROOT": str(scratch / "vllm-cache"),
                "PYTHONPATH": str(ROOT), "ALIGNEDSERVE_ALIGN_TOLERANCE": str(TOLERANCE),
-               "ALIGNEDSERVE_VLLM_STATS": str(self.stats),
-               # the admission lever on (default off), so the real server runs it too
-               "ALIGNEDSERVE_VLLM_ALIGNED_ADMISSION": "1"}
+               "ALIGNEDSERVE_VLLM_STATS": str(self.stats)}
+        # The admission lever stays at its default (off) here: with it on, a different set of
+        # requests is admitted at each step, and vLLM's bf16 CPU kernels are not batch
+        # invariant, so greedy outputs may legitimately differ from vanilla vLLM's on a near
+        # tie (seen once in CI). The lever runs in vLLM's own scheduler in the harness tests.
+        env.pop("ALIGNEDSERVE_VLLM_ALIGNED_ADMISSION", None)
         cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
                "--host", "127.0.0.1", "--port", str(self.port), "--served-model-name", "model",
                "--dtype", "bfloat16", "--max-model-len", "4096", "--no-enable-prefix-caching"]
@@ -355,7 +358,7 @@ def test_burst_of_64_loses_nothing_and_groups_respect_the_tolerance(plugin_serve
     assert all(r["max_group_spread"] <= TOLERANCE for r in records)
     assert all(1 <= r["groups"] <= r["rows"] for r in records)
     assert any(r["groups"] > 1 for r in records)  # mixed lengths: really more than one group
-    # the burst queued for admission, and the lever's admissions were recorded
+    # the burst queued for admission, and the admissions were recorded
     assert sum(r["admitted"] for r in records) >= 1
     assert all(0 <= r["admitted_fitting"] <= r["admitted"] for r in records)
 
