@@ -21,7 +21,7 @@ import openai
 import pytest
 
 from tests.server_process import get_or_none, serve_default_model
-from tests.test_server_e2e import BAD_INPUT, MAX_MODEL_LEN
+from tests.test_server_e2e import BAD_INPUT, MAX_MODEL_LEN, sigterm_during_short_and_long
 from tests.test_server_protocol import assert_error, sse_events
 
 pytest.importorskip("ray.serve")
@@ -255,20 +255,7 @@ async def _stream_tokens_or_error(client: httpx.AsyncClient, i: int
 
 def test_zz_sigterm_drains_and_leaves_no_ray_process(server):
     url, proc, _, before = server
-    results: dict[str, httpx.Response] = {}
-
-    def call(name: str, payload: dict) -> None:
-        results[name] = httpx.post(url + "/v1/completions", json=payload, timeout=120)
-
-    threads = [threading.Thread(target=call, args=args) for args in [
-        ("short", {"prompt": "Hi", "max_tokens": 8, "ignore_eos": True}),
-        ("long", {"prompt": "Hi", "max_tokens": 1800, "ignore_eos": True, "stream": True})]]
-    for t in threads:
-        t.start()
-    time.sleep(1.0)
-    proc.send_signal(signal.SIGTERM)
-    for t in threads:
-        t.join(120)
+    results = sigterm_during_short_and_long(url, proc, 8, lambda: time.sleep(1.0) or True)
     assert proc.wait(90) in (0, -signal.SIGTERM)
     assert results["short"].status_code == 200
     events = sse_events(results["long"].text)

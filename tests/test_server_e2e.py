@@ -336,23 +336,33 @@ def test_schema_fuzz(server, request):
         assert r.json()["choices"]
 
 
-def test_zz_sigterm_drains(server):
-    """Runs last (it stops the module's server): short requests finish, long ones get an error."""
-    url, proc, _ = server
+def sigterm_during_short_and_long(url: str, proc, short_tokens: int,
+                                  wait_admitted) -> dict[str, httpx.Response]:
+    """Send a short request and a long stream, SIGTERM the server once ``wait_admitted()``
+    says both are in, and return both responses ("short", "long") once they ended."""
     results: dict[str, httpx.Response] = {}
 
     def call(name: str, payload: dict) -> None:
         results[name] = httpx.post(url + "/v1/completions", json=payload, timeout=120)
 
     threads = [threading.Thread(target=call, args=args) for args in [
-        ("short", {"prompt": "Hi", "max_tokens": 12, "ignore_eos": True}),
+        ("short", {"prompt": "Hi", "max_tokens": short_tokens, "ignore_eos": True}),
         ("long", {"prompt": "Hi", "max_tokens": 1800, "ignore_eos": True, "stream": True})]]
     for t in threads:
         t.start()
-    assert _wait_until(lambda: _metric(url, "num_sequences_admitted") == 2, 60, period=0.02)
+    assert wait_admitted()
     proc.send_signal(signal.SIGTERM)
     for t in threads:
         t.join(120)
+    return results
+
+
+def test_zz_sigterm_drains(server):
+    """Runs last (it stops the module's server): short requests finish, long ones get an error."""
+    url, proc, _ = server
+    results = sigterm_during_short_and_long(
+        url, proc, 12, lambda: _wait_until(
+            lambda: _metric(url, "num_sequences_admitted") == 2, 60, period=0.02))
     assert proc.wait(60) in (0, -signal.SIGTERM)
     assert results["short"].status_code == 200
     assert results["short"].json()["usage"]["completion_tokens"] == 12

@@ -30,8 +30,9 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from alignedserve.cluster.routing import ReplicaLoad
+from alignedserve.cluster.routing import ReplicaLoad, group_lengths
 from alignedserve.config import EngineConfig
+from alignedserve.entrypoints.prometheus_metrics import racy_read
 from alignedserve.outputs import RequestOutput
 from alignedserve.sampling_params import SamplingParams
 
@@ -123,11 +124,10 @@ class EngineReplica:
         store = engine.store
         capacity = sum(store.total(t) for t in store.device_tiers) or 1
         held = sum(store.used(t) for t in store.tiers)
-        groups = tuple((round((g.min_len + g.max_len) / 2), g.rows)
-                       for g in _racy(engine.scheduler.decode_groups, []))
+        groups = group_lengths(racy_read(engine.scheduler.decode_groups, []))
         return ReplicaLoad(self.replica_id, held + sum(self._unprefilled.values()), capacity,
-                           _racy(engine.scheduler.num_running, 0),
-                           _racy(engine.scheduler.num_waiting, 0), groups,
+                           racy_read(engine.scheduler.num_running, 0),
+                           racy_read(engine.scheduler.num_waiting, 0), groups,
                            self._received_tokens)
 
     def record_routing_stats(self) -> dict[str, Any]:
@@ -168,12 +168,6 @@ class EngineReplica:
             return step()
 
         engine.step = step_or_fail
-
-
-def _racy(read, default):
-    from alignedserve.entrypoints.prometheus_metrics import racy_read
-
-    return racy_read(read, default)
 
 
 def _replica_id() -> str:

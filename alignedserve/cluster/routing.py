@@ -23,7 +23,7 @@ Policies:
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -67,6 +67,12 @@ class ReplicaLoad:
                    int(stats["running"]), int(stats["waiting"]),
                    tuple((int(length), int(rows)) for length, rows in stats["groups"]),
                    int(stats["received_tokens"]))
+
+
+def group_lengths(groups: Iterable[Any]) -> tuple[tuple[int, int], ...]:
+    """(KV length, rows) of each decode group (anything with ``min_len``, ``max_len``,
+    ``rows``: the scheduler's ``DecodeGroup``), as ``ReplicaLoad.groups`` holds them."""
+    return tuple((round((g.min_len + g.max_len) / 2), g.rows) for g in groups)
 
 
 @dataclass(slots=True)

@@ -26,7 +26,7 @@ from typing import Any, Sequence
 
 from alignedserve.bench.records import RequestRecord, StepSample
 from alignedserve.bench.workloads import RequestSpec, Workload
-from alignedserve.cluster.routing import ReplicaLoad, Router
+from alignedserve.cluster.routing import ReplicaLoad, Router, group_lengths
 from alignedserve.kv.store import KVStore
 from alignedserve.request import FinishReason, Request
 from alignedserve.sampling_params import SamplingParams
@@ -101,8 +101,7 @@ class _Replica:
         store = self.store
         queued = sum(live.spec.prompt_len for live in self.live.values()
                      if live.request.kv is None)
-        groups = tuple((round((g.min_len + g.max_len) / 2), g.rows)
-                       for g in self.scheduler.decode_groups())
+        groups = group_lengths(self.scheduler.decode_groups())
         return ReplicaLoad(replica_id, sum(store.used(t) for t in store.tiers) + queued,
                            max(1, self._device_total), self.scheduler.num_running(),
                            self.scheduler.num_waiting(), groups)
