@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from alignedserve.kernels import Kernels
-from alignedserve.kernels.linear import PACKED_MAX_ROWS, PackedLinear, pack_linears
+from alignedserve.kernels.linear import (PACKED_MAX_ROWS, PackedLinear, deinterleave_gate_up,
+                                         interleave_gate_up, pack_linears)
 from tests.model_utils import our_logits, ours_from_hf, tiny_hf_model
 
 @pytest.mark.parametrize("rows", [1, 37, PACKED_MAX_ROWS, PACKED_MAX_ROWS + 1, 1100])
@@ -94,3 +95,49 @@ def test_the_path_kernels_reject_bad_inputs(compiled: Kernels, kernel: str) -> N
     with pytest.raises(ValueError):
         pack(weight.float())
     assert linear(x[:0], packed, None).shape == (0, 32)
+
+
+@pytest.mark.parametrize("out_features,in_features,rows,with_bias",
+                         [(3072, 576, 64, False), (3072, 576, 1, False), (64, 40, 7, True),
+                          (96, 33, 13, True), (32, 576, 700, True)])
+def test_fused_swiglu_is_bit_identical_to_linear_then_silu_mul(
+        compiled: Kernels, out_features: int, in_features: int, rows: int,
+        with_bias: bool) -> None:
+    """A [gate | up] projection packed for the SwiGLU epilogue: its fused call equals
+    silu_mul of the plain layer's output bit for bit, its plain forward equals the plain
+    layer's, and rows do not depend on their batch; paths without the epilogue say None."""
+    gen = torch.Generator().manual_seed(out_features + rows)
+    weight = (torch.randn(out_features, in_features, generator=gen) * 0.1).bfloat16()
+    bias = torch.randn(out_features, generator=gen).bfloat16() if with_bias else None
+    x = torch.randn(rows, in_features, generator=gen).bfloat16()
+    plain, fused = PackedLinear(weight, bias, compiled), PackedLinear(weight, bias, compiled,
+                                                                      swiglu=True)
+    want = compiled.silu_mul(plain(x))
+    assert torch.equal(compiled.swiglu(fused, x), want)
+    assert torch.equal(fused(x), plain(x))
+    if not compiled.avx512_bf16:
+        assert fused.silu_mul(x) is None and not fused.fused_swiglu
+        return
+    assert fused.fused_swiglu
+    got = fused.silu_mul(x)
+    assert torch.equal(got, want)
+    assert torch.equal(fused.silu_mul(x[rows // 2:]), got[rows // 2:])
+    assert fused.silu_mul(x[:, ::2]) is None  # strided rows: the caller falls back
+
+
+def test_gate_up_interleaving_round_trips() -> None:
+    t = torch.arange(96.0)
+    order = interleave_gate_up(t)
+    assert order[:32].tolist() == list(range(16)) + list(range(48, 64))
+    assert torch.equal(deinterleave_gate_up(order.view(1, 96)).view(96), t)
+
+
+def test_pack_linears_fuses_only_gate_up(compiled: Kernels) -> None:
+    model = ours_from_hf(tiny_hf_model()).bfloat16()
+    pack_linears(model, compiled)
+    fused = {name for name, m in model.named_modules()
+             if isinstance(m, PackedLinear) and m.fused_swiglu}
+    if compiled.avx512_bf16:
+        assert fused and all(name.endswith("gate_up_proj") for name in fused)
+    else:
+        assert not fused

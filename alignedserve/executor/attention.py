@@ -98,4 +98,6 @@ def _token_major(plane: torch.Tensor, start: int, fresh: torch.Tensor,
                  shape: kv_layout.BlockShape) -> torch.Tensor:
     """Positions [0, start) of a tiled ``plane`` ([kv_heads, capacity, dim]) followed by
     ``fresh`` ([T, kv_heads, dim]), as one dense token-major [kv_heads, start + T, dim]."""
+    if start == 0:
+        return fresh.transpose(0, 1).contiguous()
     return torch.cat([kv_layout.read(plane, start, shape), fresh.transpose(0, 1)], dim=1)

@@ -22,6 +22,8 @@ norms, RoPE, SiLU·up,     AVX-512                     AVX-512         AVX2 (por
 argmax
 ========================  ==========================  ==============  =============
 
+On the AVX512-BF16 path SiLU·up is the epilogue of the gate_up linear (``swiglu``).
+
 The in-place ops differ by implementation in what happens to their inputs: the compiled
 ``add_rms_norm`` writes the sum into ``residual`` and ``rotary_qkv`` rotates ``qkv`` in place
 (returning views of it), while the references leave their inputs alone. Callers use the
@@ -33,6 +35,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+from collections.abc import Callable
 from types import ModuleType
 
 import torch
@@ -133,6 +136,14 @@ class Kernels:
         if ext is not None and _rows(gate_up):
             return ext.silu_mul(gate_up)
         return reference.silu_mul(gate_up)
+
+    def swiglu(self, gate_up_proj: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
+        """``silu(gate) * up`` of a fused [gate | up] projection of x: one call into the
+        projection where it computes that itself (``PackedLinear.silu_mul``, bit-identical),
+        else `silu_mul` of its output."""
+        fused = getattr(gate_up_proj, "silu_mul", None)
+        out = fused(x) if fused is not None else None
+        return out if out is not None else self.silu_mul(gate_up_proj(x))
 
     def argmax_rows(self, logits: Tensor) -> list[int]:
         """Each row's first largest index (a row holding NaN: torch's max decides)."""

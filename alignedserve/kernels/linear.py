@@ -14,6 +14,11 @@ each batch size on its path (``Kernels.path``):
 * ``reference``, float32 weights, other devices: plain ``F.linear`` (float32 must stay
   bit-identical to transformers).
 
+A fused ``[gate | up]`` projection (``swiglu=True``) on the AVX512-BF16 path is packed with its
+16-row blocks interleaved (gate 0, up 0, gate 1, ...) so that `PackedLinear.silu_mul` can
+ask the kernel for ``silu(gate) * up`` straight from its accumulators: bit-identical to
+``silu_mul(forward(x))``, without storing the ``[rows, 2 I]`` product and reading it back.
+
 The AMX, AVX512-BF16 and AVX2 kernels compute every output element as the same sequence of
 products and sums whatever the batch, so a row's result does not depend on the rows beside
 it; oneDNN's blocking, and so its rounding, changes with the row count.
@@ -36,6 +41,20 @@ PACKED_MAX_ROWS = 256  # oneDNN: above this many rows the plain call is as fast
 AMX_MAX_ROWS = 1024  # AMX tiles win up to here on the layers' shapes
 AMX_MAX_ROWS_LM_HEAD = 128  # ... and up to here on the LM head
 _PACK_HINT_ROWS = 64  # oneDNN picks its blocking for this batch size
+_SWIGLU_BLOCK = 16  # rows per gate / up block of the interleaved packing (the kernel's zmm)
+
+
+def interleave_gate_up(t: Tensor) -> Tensor:
+    """Rows (or bias entries) of a ``[gate | up]`` tensor reordered into 16-row blocks gate 0,
+    up 0, gate 1, up 1, ...; the first dim must be a multiple of 32."""
+    blocks = t.shape[0] // (2 * _SWIGLU_BLOCK)
+    return t.reshape(2, blocks, _SWIGLU_BLOCK, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
+
+
+def deinterleave_gate_up(y: Tensor) -> Tensor:
+    """Columns of an interleaved product ``[rows, 2 I]`` back in ``[gate | up]`` order."""
+    blocks = y.shape[1] // (2 * _SWIGLU_BLOCK)
+    return y.reshape(y.shape[0], blocks, 2, _SWIGLU_BLOCK).transpose(1, 2).reshape(y.shape)
 
 
 def onednn_packing_supported(weight: Tensor) -> bool:
@@ -63,15 +82,19 @@ class PackedLinear(nn.Module):
     Invariant: ``tiles`` (the path's own kernel layout: AMX tiles, AVX512-BF16 or AVX2 panels) and
     ``packed`` (oneDNN's) are ``weight`` reordered, each None where no batch size uses it, and
     never go stale: weights are frozen after loading. ``weight`` may be shared with another
-    module (a tied LM head reads the embedding matrix).
+    module (a tied LM head reads the embedding matrix). ``fused_swiglu``: ``tiles`` holds the
+    interleaved packing (module docstring), and so does ``kernel_bias``, the bias as the
+    kernel takes it.
     """
 
     def __init__(self, weight: Tensor, bias: Tensor | None, kernels: Kernels,
-                 lm_head: bool = False) -> None:
+                 lm_head: bool = False, swiglu: bool = False) -> None:
         super().__init__()
         self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight, False)
         self.bias = bias
+        self.kernel_bias = bias
         self.kernel_max_rows = 0  # rows up to which the path's own kernel runs
+        self.fused_swiglu = False
         self._kernel = None
         tiles = None
         ext = kernels.ext
@@ -82,7 +105,14 @@ class PackedLinear(nn.Module):
             self.kernel_max_rows = AMX_MAX_ROWS_LM_HEAD if lm_head else AMX_MAX_ROWS
         elif (own := path_linear(kernels, weight)) is not None:
             self._kernel, pack = own
-            tiles = pack(weight.detach())
+            self.fused_swiglu = (swiglu and kernels.avx512_bf16
+                                 and out_features % (2 * _SWIGLU_BLOCK) == 0)
+            if self.fused_swiglu:
+                tiles = pack(interleave_gate_up(weight.detach()))
+                if bias is not None:
+                    self.kernel_bias = interleave_gate_up(bias.detach())
+            else:
+                tiles = pack(weight.detach())
             self.kernel_max_rows = 1 << 62
         self.register_buffer("tiles", tiles, persistent=False)
         self.packed_max_rows = (PACKED_MAX_ROWS if self.kernel_max_rows < PACKED_MAX_ROWS
@@ -98,11 +128,22 @@ class PackedLinear(nn.Module):
         if x.dim() == 2:
             rows = x.shape[0]
             if rows <= self.kernel_max_rows and x.stride(1) == 1:
+                if self.fused_swiglu:
+                    return deinterleave_gate_up(
+                        self._kernel(x, self._buffers["tiles"], self.kernel_bias))
                 return self._kernel(x, self._buffers["tiles"], bias)
             if rows <= self.packed_max_rows:
                 return torch.ops.mkldnn._linear_pointwise(x, self._buffers["packed"], bias,
                                                           "none", [], "")
         return F.linear(x, self._parameters["weight"], bias)
+
+    def silu_mul(self, x: Tensor) -> Tensor | None:
+        """``silu(gate) * up`` of this ``[gate | up]`` projection of rows x [T, in], in one
+        kernel call, where it was packed for that (``fused_swiglu``) and x is dense rows;
+        else None (the caller applies its own ``silu_mul`` to `forward`'s output)."""
+        if self.fused_swiglu and x.dim() == 2 and x.stride(1) == 1:
+            return self._kernel(x, self._buffers["tiles"], self.kernel_bias, True)
+        return None
 
 
 def pack_linears(model: nn.Module, kernels: Kernels) -> int:
@@ -123,7 +164,8 @@ def pack_linears(model: nn.Module, kernels: Kernels) -> int:
             parent_name, _, attr = name.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
             setattr(parent, attr, PackedLinear(linear.weight, linear.bias, kernels,
-                                               lm_head=name == "lm_head"))
+                                               lm_head=name == "lm_head",
+                                               swiglu=attr == "gate_up_proj"))
         if getattr(model, "lm_head", "absent") is None:
             model.lm_head = PackedLinear(model.embed_tokens.weight, None, kernels, lm_head=True)
     except RuntimeError as exc:  # a oneDNN build without the op: plain linears still work

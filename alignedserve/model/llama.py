@@ -162,7 +162,7 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: Tensor, k: Kernels) -> Tensor:
         linears = self._modules
-        return linears["down_proj"].forward(k.silu_mul(linears["gate_up_proj"].forward(x)))
+        return linears["down_proj"].forward(k.swiglu(linears["gate_up_proj"], x))
 
 
 class LlamaDecoderLayer(nn.Module):

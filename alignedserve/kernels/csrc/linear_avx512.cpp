@@ -15,6 +15,11 @@
 //            the operand vdpbf16ps takes; a full panel's step is 4 zmm = 256 contiguous bytes.
 //   bias   : [N] bf16 or fp32 (other float types are converted to fp32), or None.
 //   out    : [M, N] bf16, new and contiguous.
+//   swiglu : optional epilogue for a fused [gate | up] projection packed block-interleaved
+//            (W's rows in 16-row blocks gate 0, up 0, gate 1, up 1, ...; N % 32 == 0): out is
+//            [M, N / 2] = silu(gate) * up, rounded exactly as linear + silu_mul round it
+//            (gate and up to bf16 first, then fused.cpp's silu_mul arithmetic, vec.h), so the
+//            result is bit-identical to the two calls and the [M, N] product is never stored.
 //
 // Arithmetic, and why a row's result does not depend on its batch: every output element
 // y[m, n] is one fp32 accumulator that starts at +0 and takes, for p = 0, 1, ..., KP - 1 in
@@ -54,6 +59,7 @@
 #include <utility>
 
 #include "checks.h"
+#include "vec.h"  // the SwiGLU epilogue: silu_mul's arithmetic
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define ALIGNEDSERVE_LINEAR_AVX512 1
@@ -88,8 +94,10 @@ struct Problem {
   const uint16_t* w;  // packed panels
   const void* bias;   // [N] or null
   bool bias_bf16;     // bias is bf16 (else fp32)
-  uint16_t* out;      // [M, N]
+  uint16_t* out;      // [M, N], or [M, N / 2] with swiglu
   int64_t M, N, K, KP;
+  bool swiglu;        // block pairs (gate, up) -> silu(gate) * up (file comment)
+  int64_t out_cols;   // N, or N / 2 with swiglu
 };
 
 // Where block j's step 0 lies, and how many elements apart its steps are (its panel's width
@@ -100,6 +108,12 @@ std::pair<const uint16_t*, int64_t> block_at(const Problem& P, int64_t j) {
   const int64_t width = std::min(kPanelBlocks, nb - g * kPanelBlocks) * kBlock;
   return {P.w + g * P.KP * kPanelBlocks * kBlock * 2 + (j % kPanelBlocks) * kBlock * 2,
           width * 2};
+}
+
+// Where output row m's column `col` (of the packed product) is stored: with swiglu a block
+// pair's 32 product columns become 16 output columns.
+uint16_t* out_at_row(const Problem& P, int64_t m, int64_t col) {
+  return P.swiglu ? P.out + m * P.out_cols + col / 2 : P.out + m * P.N + col;
 }
 
 // What a tile pulls into L2 while it computes (see part()): `lines` 64-byte lines of each step
@@ -150,9 +164,10 @@ void tile(const Problem& P, int64_t m, const uint16_t* w, int64_t w_step, int64_
   for (int64_t p = 0; p < full; ++p, ws += w_step, pfw += ahead.w_step * 2) {
     if (p == out_at)
       for (int r = 0; r < R; ++r) {
-        const char* o = reinterpret_cast<const char*>(P.out + (m + r) * P.N + col);
-        for (int64_t b = 0; b < C * kBlock * 2; b += 64) _mm_prefetch(o + b, _MM_HINT_T0);
-        _mm_prefetch(o + C * kBlock * 2 - 1, _MM_HINT_T0);
+        const char* o = reinterpret_cast<const char*>(out_at_row(P, m + r, col));
+        const int64_t bytes = (P.swiglu ? C / 2 : C) * kBlock * 2;
+        for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(o + b, _MM_HINT_T0);
+        _mm_prefetch(o + bytes - 1, _MM_HINT_T0);
       }
     for (int64_t q = 0; q < ahead.lines; ++q) _mm_prefetch(pfw + q * 64, _MM_HINT_T1);
     if ((p & 15) == 0)
@@ -191,6 +206,21 @@ void tile(const Problem& P, int64_t m, const uint16_t* w, int64_t w_step, int64_
     } else {
       bias[c] = _mm512_maskz_loadu_ps(mask[c], static_cast<const float*>(P.bias) + cc);
     }
+  }
+  if (P.swiglu) {  // C is even here: blocks (gate, up) side by side, full (N % 32 == 0)
+    auto rounded = [](__m512 v) {  // r(v) as linear_avx512 stores it, widened back exactly
+      const __m512i bf = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v));
+      return Vec{_mm512_castsi512_ps(_mm512_slli_epi32(bf, 16))};
+    };
+#pragma GCC unroll 6
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 2
+      for (int c = 0; c + 1 < C; c += 2) {
+        const Vec gate = rounded(_mm512_add_ps(acc[r][c], bias[c]));
+        const Vec up = rounded(_mm512_add_ps(acc[r][c + 1], bias[c + 1]));
+        vstore(out_at_row(P, m + r, col) + c / 2 * kBlock, silu_times(gate, up), kBlock);
+      }
+    return;
   }
 #pragma GCC unroll 6
   for (int r = 0; r < R; ++r)
@@ -295,14 +325,17 @@ at::Tensor pack_weight_avx512(const at::Tensor& w) {
 }
 
 at::Tensor linear_avx512(const at::Tensor& x, const at::Tensor& packed,
-                         const std::optional<at::Tensor>& bias_opt) {
+                         const std::optional<at::Tensor>& bias_opt, bool swiglu) {
   TORCH_CHECK_VALUE(available(), "linear_avx512: this build has no AVX512-BF16 kernel");
   const auto [N, K] = checks::packed_shape(packed, kMagic, kBlock, "linear_avx512",
                                            "pack_weight_avx512");
   checks::linear_input(x, K, "linear_avx512");
   const at::Tensor bias = checks::linear_bias(bias_opt, N, "linear_avx512");
+  TORCH_CHECK_VALUE(!swiglu || N % (2 * kBlock) == 0, "linear_avx512: the swiglu epilogue "
+                    "needs a block-interleaved [gate | up] weight, N % 32 == 0; got N = ", N);
   const int64_t M = x.size(0);
-  at::Tensor out = at::empty({M, N}, x.options());
+  const int64_t out_cols = swiglu ? N / 2 : N;
+  at::Tensor out = at::empty({M, out_cols}, x.options());
 #ifdef ALIGNEDSERVE_LINEAR_AVX512
   if (M == 0) return out;
   // One row (or K == 1) may come with any strides; make it dense.
@@ -323,14 +356,17 @@ at::Tensor linear_avx512(const at::Tensor& x, const at::Tensor& packed,
                   bias.defined() ? bias.data_ptr() : nullptr,
                   bias.defined() && bias.scalar_type() == at::kBFloat16,
                   reinterpret_cast<uint16_t*>(out.data_ptr()),
-                  M, N, K, ceil_div(K, 2)};
+                  M, N, K, ceil_div(K, 2), swiglu, out_cols};
   const int64_t NB = ceil_div(N, kBlock);
   const int64_t T = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), NB * M));
   const int64_t tm = split_rows(M, NB, T), tn = T / tm;
+  // With swiglu a thread's blocks start and end on (gate, up) pair boundaries.
+  const int64_t unit = swiglu ? 2 : 1, units = NB / unit;
   at::parallel_for(0, T, 1, [&](int64_t lo, int64_t hi) {
     for (int64_t t = lo; t < hi; ++t) {  // hi > lo + 1 only where the region runs serially
       const int64_t i = t / tn, jn = t % tn;
-      part(P, M * i / tm, M * (i + 1) / tm, NB * jn / tn, NB * (jn + 1) / tn);
+      part(P, M * i / tm, M * (i + 1) / tm, unit * (units * jn / tn),
+           unit * (units * (jn + 1) / tn));
     }
   });
 #endif
@@ -349,8 +385,9 @@ void register_linear_avx512(pybind11::module_& m) {
         arg("weight"));
   m.def("linear_avx512", &linear_avx512,
         "y = x . W^T + bias in bf16 (fp32 accumulation, one rounding); a row's result does "
-        "not depend on the batch it is in.",
-        arg("x"), arg("packed"), arg("bias") = pybind11::none());
+        "not depend on the batch it is in. swiglu: W is a block-interleaved [gate | up] "
+        "projection and the result is silu(gate) * up [M, N / 2].",
+        arg("x"), arg("packed"), arg("bias") = pybind11::none(), arg("swiglu") = false);
 }
 
 }  // namespace alignedserve
