@@ -20,6 +20,17 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def wait_until(predicate, timeout: float, period: float = 0.1) -> bool:
+    """Poll ``predicate`` every ``period`` seconds until it holds or ``timeout`` passes; its
+    last value."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(period)
+    return predicate()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

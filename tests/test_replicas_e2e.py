@@ -20,7 +20,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server_process import get_or_none, serve_default_model
+from tests.server_process import get_or_none, serve_default_model, wait_until
 from tests.test_server_e2e import BAD_INPUT, MAX_MODEL_LEN, sigterm_during_short_and_long
 from tests.test_server_protocol import assert_error, sse_events
 
@@ -70,15 +70,6 @@ def _per_replica(url: str, name: str) -> dict[str, float]:
             replica = line.split('replica="', 1)[1].split('"', 1)[0]
             values[replica] = float(line.rsplit(" ", 1)[1])
     return values
-
-
-def _wait_until(predicate, timeout: float, period: float = 0.5) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(period)
-    return predicate()
 
 
 def _greedy(url: str, prompts: list[str], max_tokens: int = 24) -> list[str]:
@@ -142,8 +133,8 @@ def test_100_concurrent_openai_streams_use_both_replicas(server):
     def both_used() -> bool:  # the counters reach /metrics on the replicas' next posts
         after = _per_replica(url, "decode_tokens_computed_total")
         return len([r for r in after if after[r] > before.get(r, 0)]) == 2
-    assert _wait_until(both_used, 10), (before, _per_replica(url, "decode_tokens_computed_total"))
-    assert _wait_until(lambda: _per_replica(url, "num_requests_running")
+    assert wait_until(both_used, 10), (before, _per_replica(url, "decode_tokens_computed_total"))
+    assert wait_until(lambda: _per_replica(url, "num_requests_running")
                        and sum(_per_replica(url, "num_requests_running").values()) == 0, 30)
 
 
@@ -193,7 +184,7 @@ def test_a_failed_engine_step_errors_its_requests_and_the_replica_is_replaced(se
                         timeout=120)
         assert ok.status_code == 200, ok.text
     # Ray's health check fails it and starts a fresh one
-    assert _wait_until(lambda: len(_replica_ids(url)) == 2 and len(_replica_ids(url) - ids) == 1,
+    assert wait_until(lambda: len(_replica_ids(url)) == 2 and len(_replica_ids(url) - ids) == 1,
                        180), _replica_ids(url)
 
 
@@ -211,7 +202,7 @@ def test_a_killed_replica_fails_only_its_started_streams_and_comes_back(server):
 
     worker = threading.Thread(target=load)
     worker.start()
-    assert _wait_until(lambda: sum(r["running"] for r in _state(url)["replicas"]) >= 10, 60, 0.2)
+    assert wait_until(lambda: sum(r["running"] for r in _state(url)["replicas"]) >= 10, 60, 0.2)
     os.kill(victim["pid"], signal.SIGKILL)
     worker.join(300)
     assert not worker.is_alive(), "a stream hung after its replica was killed"
@@ -224,7 +215,7 @@ def test_a_killed_replica_fails_only_its_started_streams_and_comes_back(server):
     # new requests are served at once by the survivor, then by both once Ray restarted one
     ok = httpx.post(url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 4}, timeout=120)
     assert ok.status_code == 200, ok.text
-    assert _wait_until(lambda: len(_replica_ids(url)) == 2 and victim["replica"]
+    assert wait_until(lambda: len(_replica_ids(url)) == 2 and victim["replica"]
                        not in _replica_ids(url), 180), _replica_ids(url)
     before = _per_replica(url, "decode_tokens_computed_total")
     _greedy(url, PROMPTS * 3, max_tokens=4)
@@ -232,7 +223,7 @@ def test_a_killed_replica_fails_only_its_started_streams_and_comes_back(server):
     def both_used() -> bool:  # the counters reach /metrics on the replicas' next posts
         after = _per_replica(url, "decode_tokens_computed_total")
         return len(after) == 2 and all(after[r] > before.get(r, 0) for r in after)
-    assert _wait_until(both_used, 10), (before, _per_replica(url, "decode_tokens_computed_total"))
+    assert wait_until(both_used, 10), (before, _per_replica(url, "decode_tokens_computed_total"))
 
 
 async def _stream_tokens_or_error(client: httpx.AsyncClient, i: int
@@ -261,4 +252,4 @@ def test_zz_sigterm_drains_and_leaves_no_ray_process(server):
     events = sse_events(results["long"].text)
     assert events[-1] == "[DONE]" and "shutting down" in json.loads(events[-2])["error"]["message"]
     assert get_or_none(url, "/health", 1) is None
-    assert _wait_until(lambda: not (_ray_pids() - before), 30), _ray_pids() - before
+    assert wait_until(lambda: not (_ray_pids() - before), 30), _ray_pids() - before

@@ -12,7 +12,6 @@ import asyncio
 import json
 import signal
 import threading
-import time
 
 import httpx
 import openai
@@ -20,7 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.server_process import get_or_none, serve_default_model
+from tests.server_process import get_or_none, serve_default_model, wait_until
 from tests.test_server_protocol import HealthProbe, assert_error, sse_events
 
 pytestmark = pytest.mark.model
@@ -213,18 +212,9 @@ def test_bad_input_through_the_client(server, oai):
 
 # ---- disconnects, load, fuzz -------------------------------------------------------------------
 
-def _wait_until(predicate, timeout: float, period: float = 0.1) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(period)
-    return predicate()
-
-
 def test_disconnect_frees_kv(server):
     url, _, _ = server
-    assert _wait_until(lambda: _metric(url, "num_requests_running") == 0, 60)
+    assert wait_until(lambda: _metric(url, "num_requests_running") == 0, 60)
     idle = _kv_used(url)
     payload = {"prompt": "Write a long story.", "max_tokens": 1500, "ignore_eos": True,
                "stream": True}
@@ -236,7 +226,7 @@ def test_disconnect_frees_kv(server):
                 if seen >= 3:
                     assert _kv_used(url) != idle  # it really held KV
                     break
-    assert _wait_until(lambda: _kv_used(url) == idle, 30), (_kv_used(url), idle)
+    assert wait_until(lambda: _kv_used(url) == idle, 30), (_kv_used(url), idle)
     assert _metric(url, "num_requests_running") == 0
     assert _metric(url, "num_sequences_admitted") == 0
 
@@ -276,7 +266,7 @@ def test_200_concurrent_streams(server):
     assert results == [(max_tokens, max_tokens)] * clients
     assert not probe.failures and len(probe.latencies) >= 3
     assert max(probe.latencies) < 3.0, sorted(probe.latencies)[-5:]
-    assert _wait_until(lambda: _metric(url, "num_sequences_admitted") == 0, 30)
+    assert wait_until(lambda: _metric(url, "num_sequences_admitted") == 0, 30)
 
 
 _text = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=20)
@@ -361,7 +351,7 @@ def test_zz_sigterm_drains(server):
     """Runs last (it stops the module's server): short requests finish, long ones get an error."""
     url, proc, _ = server
     results = sigterm_during_short_and_long(
-        url, proc, 12, lambda: _wait_until(
+        url, proc, 12, lambda: wait_until(
             lambda: _metric(url, "num_sequences_admitted") == 2, 60, period=0.02))
     assert proc.wait(60) in (0, -signal.SIGTERM)
     assert results["short"].status_code == 200

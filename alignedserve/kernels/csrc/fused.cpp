@@ -20,7 +20,7 @@
 // integer RNE formula rather than vcvtneps2bf16, which flushes denormals to zero.
 //
 // Products are kept separate from sums on purpose (no FMA contraction: the extension is built
-// with -std=c++20, where GCC leaves fp-contract off; the intrinsics below say mul/add).
+// with -std=c++20, where GCC leaves fp-contract off; vec.h's intrinsics say mul/add).
 
 // Narrow includes on purpose: <torch/extension.h> alone takes ~30 s to compile.
 #include <ATen/Parallel.h>

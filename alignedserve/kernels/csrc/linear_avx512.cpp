@@ -227,7 +227,7 @@ void tile(const Problem& P, int64_t m, const uint16_t* w, int64_t w_step, int64_
 #pragma GCC unroll 4
     for (int c = 0; c < C; ++c) {
       const __m256i y = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[r][c], bias[c]));
-      _mm256_mask_storeu_epi16(P.out + (m + r) * P.N + col + c * kBlock, mask[c], y);
+      _mm256_mask_storeu_epi16(out_at_row(P, m + r, col) + c * kBlock, mask[c], y);
     }
 }
 
