@@ -193,17 +193,28 @@ def run_references(dtype: torch.dtype) -> list[torch.Tensor]:
             reference.silu_mul(gate_up), residual, qkv]
 
 
-class _NoBuild:
-    """Stands in for a path's build: any use of it fails the test."""
+class _OnlyDeclines:
+    """Stands in for a path's build: its ``try_*`` entry points (which decide whether a kernel
+    takes the inputs) run and must decline; running any kernel fails the test."""
+
+    def __init__(self, build) -> None:
+        self._build = build
 
     def __getattr__(self, name: str):
-        raise AssertionError(f"a reference route used the compiled {name}")
+        if not name.startswith("try_"):
+            raise AssertionError(f"a reference route used the compiled {name}")
+
+        def declines(*args, **kwargs):
+            result = getattr(self._build, name)(*args, **kwargs)
+            assert result is None, f"the compiled {name} took inputs meant for the reference"
+            return None
+        return declines
 
 
 def without_build(kernels: Kernels) -> Kernels:
     """``kernels`` whose compiled ops all fail: what still works took the reference."""
     untouchable = copy.copy(kernels)
-    untouchable.ext = _NoBuild()
+    untouchable.ext = _OnlyDeclines(kernels.ext)
     return untouchable
 
 

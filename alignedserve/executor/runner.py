@@ -70,7 +70,10 @@ class ModelRunner:
         hidden = self.model(input_ids, pos, attn)
         if not samplers:
             return {}
-        logits = self.model.compute_logits(hidden[sample_at], widen=False)
+        # sample_at is increasing, so as many entries as tokens means every row, in order (a
+        # decode-only step): no gather.
+        rows = hidden if len(sample_at) == len(ids) else hidden[sample_at]
+        logits = self.model.compute_logits(rows, widen=False)
         result = self.sampler(logits, [self._row(r) for r in samplers])
         return {
             r.request_id: SampledToken(result.token_ids[i], result.logprobs[i],

@@ -4,7 +4,10 @@ An engine, a model and a sampler hold one `Kernels` (``select_kernels()`` at sta
 are its methods. Each op takes the compiled kernel of the path where the kernel applies —
 bfloat16 tensors on CPU in the layout it indexes — and the PyTorch reference
 (``reference.py``) everywhere else: float32 (bit-identical to transformers), other devices,
-the ``reference`` path, tensors that want autograd. Routing checks are O(1) per call.
+the ``reference`` path, tensors that want autograd. Routing checks are O(1) per call; the
+elementwise ops leave them to the build (its ``try_*`` entry points run the kernel or return
+None), as a decode step's Python runs with cold caches and each tensor attribute call in a
+Python check costs microseconds there.
 
 What each path runs (see ``isa.py`` for the paths):
 
@@ -52,16 +55,6 @@ _MAX_HEAD_DIM = 256
 _BF16 = torch.bfloat16
 
 
-def _rows(t: Tensor) -> bool:
-    """2-d with a unit-stride last dim: the layout the elementwise kernels index directly."""
-    return t.dim() == 2 and t.stride(1) == 1
-
-
-def _disjoint_rows(t: Tensor) -> bool:
-    """Rows that do not overlap in memory (required where a kernel writes in place)."""
-    return t.shape[0] <= 1 or t.stride(0) >= t.shape[1]
-
-
 def _wants_grad(*tensors: Tensor) -> bool:
     """True when autograd must see the op (the compiled kernels have no backward)."""
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
@@ -98,19 +91,17 @@ class Kernels:
 
     def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
         """RMSNorm of x [T, H] (``reference.rms_norm``); a new tensor, x unchanged."""
-        ext = self._fused(x, weight)
-        if ext is not None and _rows(x) and weight.dim() == 1 and weight.is_contiguous():
-            return ext.rms_norm(x, weight, eps)
-        return reference.rms_norm(x, weight, eps)
+        out = self.ext.try_rms_norm(x, weight, eps) if self.ext is not None else None
+        return out if out is not None else reference.rms_norm(x, weight, eps)
 
     def add_rms_norm(self, x: Tensor, residual: Tensor, weight: Tensor,
                      eps: float) -> tuple[Tensor, Tensor]:
         """``residual + x`` and its RMSNorm: (normed, residual). The compiled path writes the
         sum into ``residual`` and returns it; use the returned residual either way."""
-        ext = self._fused(x, residual, weight)
-        if (ext is not None and _rows(x) and _rows(residual) and _disjoint_rows(residual)
-                and weight.dim() == 1 and weight.is_contiguous()):
-            return ext.add_rms_norm(x, residual, weight, eps), residual
+        out = (self.ext.try_add_rms_norm(x, residual, weight, eps) if self.ext is not None
+               else None)
+        if out is not None:
+            return out, residual
         return reference.add_rms_norm(x, residual, weight, eps)
 
     def rotary_qkv(self, qkv: Tensor, cos: Tensor, sin: Tensor, num_heads: int,
@@ -118,24 +109,16 @@ class Kernels:
         """Split fused qkv into q, k, v with RoPE on q and k (``reference.rotary_qkv``);
         cos, sin: [T, D/2] or [T, 1, D/2]. The compiled path rotates ``qkv`` in place and
         returns views of it."""
-        if cos.dim() == 3:
-            cos, sin = cos.squeeze(1), sin.squeeze(1)
-        ext = self._fused(qkv, cos, sin)
-        if ext is not None and _rows(qkv) and _disjoint_rows(qkv) and _rows(cos) and _rows(sin):
-            ext.rotary_qkv_(qkv, cos, sin, num_heads, num_kv_heads, head_dim)
-            t = qkv.shape[0]
-            q, k, v = qkv.split((num_heads * head_dim, num_kv_heads * head_dim,
-                                 num_kv_heads * head_dim), dim=-1)
-            return (q.view(t, num_heads, head_dim), k.view(t, num_kv_heads, head_dim),
-                    v.view(t, num_kv_heads, head_dim))
+        if self.ext is not None:
+            views = self.ext.try_rotary_qkv(qkv, cos, sin, num_heads, num_kv_heads, head_dim)
+            if views is not None:
+                return views
         return reference.rotary_qkv(qkv, cos, sin, num_heads, num_kv_heads, head_dim)
 
     def silu_mul(self, gate_up: Tensor) -> Tensor:
         """SwiGLU activation ``silu(gate) * up`` of gate_up [T, 2 I] = [gate | up]."""
-        ext = self._fused(gate_up)
-        if ext is not None and _rows(gate_up):
-            return ext.silu_mul(gate_up)
-        return reference.silu_mul(gate_up)
+        out = self.ext.try_silu_mul(gate_up) if self.ext is not None else None
+        return out if out is not None else reference.silu_mul(gate_up)
 
     def swiglu(self, gate_up_proj: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
         """``silu(gate) * up`` of a fused [gate | up] projection of x: one call into the

@@ -25,6 +25,7 @@
 // Narrow includes on purpose: <torch/extension.h> alone takes ~30 s to compile.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/core/grad_mode.h>
 #include <ATen/ops/empty.h>
 #include <torch/csrc/utils/pybind.h>
 
@@ -33,6 +34,8 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <optional>
+#include <tuple>
 
 #include "vec.h"  // Vec, vload / vstore / vround, vexp, bf16 helpers
 
@@ -337,6 +340,73 @@ at::Tensor argmax_rows(const at::Tensor& logits) {
   return out;
 }
 
+// ---------------------------------------------------------------------------------------------
+// The model's entry points (Kernels in alignedserve/kernels/dispatch.py): each op above, or
+// nothing where the kernel does not take these tensors (not bf16 rows on CPU in the layout
+// check_rows accepts, or autograd must see the op), so the caller runs the PyTorch reference.
+// Deciding here costs a few C++ field reads; the same decision in Python took ~10 tensor
+// attribute calls per op, each slow when a decode step's KV stream has just swept the caches.
+// ---------------------------------------------------------------------------------------------
+
+// What check_rows accepts, as a test.
+bool fits_rows(const at::Tensor& t, bool written) {
+  return t.dim() == 2 && t.scalar_type() == at::kBFloat16 && t.device().is_cpu() &&
+         (t.size(1) <= 1 || t.stride(1) == 1) &&
+         (!written || t.size(0) <= 1 || t.stride(0) >= t.size(1));
+}
+
+bool fits_weight(const at::Tensor& w) {
+  return w.dim() == 1 && w.scalar_type() == at::kBFloat16 && w.device().is_cpu() &&
+         w.is_contiguous();
+}
+
+// True when autograd must record the op (the kernels have no backward).
+bool wants_grad(std::initializer_list<const at::Tensor*> tensors) {
+  if (!at::GradMode::is_enabled()) return false;
+  for (const at::Tensor* t : tensors) {
+    if (t->requires_grad()) return true;
+  }
+  return false;
+}
+
+std::optional<at::Tensor> try_rms_norm(const at::Tensor& x, const at::Tensor& weight,
+                                       double eps) {
+  if (!fits_rows(x, false) || !fits_weight(weight) || wants_grad({&x, &weight})) return {};
+  return rms_norm(x, weight, eps);
+}
+
+std::optional<at::Tensor> try_add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
+                                           const at::Tensor& weight, double eps) {
+  if (!fits_rows(x, false) || !fits_rows(residual, true) || !fits_weight(weight) ||
+      wants_grad({&x, &residual, &weight}))
+    return {};
+  return add_rms_norm(x, residual, weight, eps);
+}
+
+// cos / sin may be [T, D/2] or the model's [T, 1, D/2]. Returns views of the rotated qkv:
+// q [T, heads, D], k and v [T, kv_heads, D].
+std::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> try_rotary_qkv(
+    const at::Tensor& qkv, const at::Tensor& cos_in, const at::Tensor& sin_in,
+    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim) {
+  const bool squeeze = cos_in.dim() == 3 && cos_in.size(1) == 1 && sin_in.dim() == 3;
+  const at::Tensor cos = squeeze ? cos_in.squeeze(1) : cos_in;
+  const at::Tensor sin = squeeze ? sin_in.squeeze(1) : sin_in;
+  if (!fits_rows(qkv, true) || !fits_rows(cos, false) || !fits_rows(sin, false) ||
+      wants_grad({&qkv, &cos, &sin}))
+    return {};
+  rotary_qkv_(qkv, cos, sin, num_heads, num_kv_heads, head_dim);
+  const int64_t t = qkv.size(0), q_width = num_heads * head_dim, kv_width = num_kv_heads * head_dim;
+  return std::make_tuple(qkv.narrow(1, 0, q_width).view({t, num_heads, head_dim}),
+                         qkv.narrow(1, q_width, kv_width).view({t, num_kv_heads, head_dim}),
+                         qkv.narrow(1, q_width + kv_width, kv_width)
+                             .view({t, num_kv_heads, head_dim}));
+}
+
+std::optional<at::Tensor> try_silu_mul(const at::Tensor& gate_up) {
+  if (!fits_rows(gate_up, false) || wants_grad({&gate_up})) return {};
+  return silu_mul(gate_up);
+}
+
 }  // namespace
 
 void register_fused(pybind11::module_& m) {
@@ -351,6 +421,18 @@ void register_fused(pybind11::module_& m) {
         arg("qkv"), arg("cos"), arg("sin"), arg("num_heads"), arg("num_kv_heads"),
         arg("head_dim"));
   m.def("silu_mul", &silu_mul, "r(r(silu(gate)) * up) for gate_up = [gate | up] rows (bf16).",
+        arg("gate_up"));
+  m.def("try_rms_norm", &try_rms_norm, "rms_norm, or None where it does not take the inputs.",
+        arg("x"), arg("weight"), arg("eps"));
+  m.def("try_add_rms_norm", &try_add_rms_norm,
+        "add_rms_norm, or None where it does not take the inputs.", arg("x"), arg("residual"),
+        arg("weight"), arg("eps"));
+  m.def("try_rotary_qkv", &try_rotary_qkv,
+        "rotary_qkv_ (cos / sin also [T, 1, D/2]), then views (q, k, v) of qkv; or None where "
+        "it does not take the inputs.",
+        arg("qkv"), arg("cos"), arg("sin"), arg("num_heads"), arg("num_kv_heads"),
+        arg("head_dim"));
+  m.def("try_silu_mul", &try_silu_mul, "silu_mul, or None where it does not take the input.",
         arg("gate_up"));
   m.def("argmax_rows", &argmax_rows,
         "First argmax of each bf16 row (int64); -1 where the row holds a NaN.", arg("logits"));
