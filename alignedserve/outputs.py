@@ -62,6 +62,7 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer, stop: list[str], skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
+        self._backend_decode = _backend_decode(tokenizer)
         self.stop = stop
         self.skip_special_tokens = skip_special_tokens
         self.token_ids: list[int] = []
@@ -71,6 +72,8 @@ class IncrementalDetokenizer:
         self._holdback = max((len(s) for s in stop), default=1) - 1
 
     def _decode(self, ids: list[int]) -> str:
+        if self._backend_decode is not None:
+            return self._backend_decode(ids, skip_special_tokens=self.skip_special_tokens)
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def add(self, token_ids: list[int]) -> str | None:
@@ -112,3 +115,15 @@ class IncrementalDetokenizer:
         if finished or not self._holdback:
             return self.text
         return self.text[: max(0, len(self.text) - self._holdback)]
+
+
+def _backend_decode(tokenizer):
+    """The Rust ``tokenizers`` decode behind a transformers fast tokenizer, where calling it
+    directly gives the same text: the tokenizer does no clean-up of tokenization spaces (with
+    clean-up on, or no backend, None: use ``tokenizer.decode``). Detokenizing runs twice per
+    generated token, and transformers' per-call argument handling cost more than the decode
+    itself."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return None
+    return backend.decode
