@@ -229,6 +229,27 @@ def test_reference_path_is_the_reference(reference_kernels):
         assert torch.equal(got, want)
 
 
+def test_argmax_takes_the_reference_where_the_kernel_does_not_apply(compiled):
+    untouchable = without_build(compiled)
+    logits = rand(5, 300, seed=40)
+    for x in (logits.float(), logits.t().contiguous().t()):  # float32; columns strided
+        assert untouchable.argmax_rows(x) == x.max(dim=-1).indices.tolist()
+    assert compiled.argmax_rows(logits) == logits.max(dim=-1).indices.tolist()
+
+
+def test_kernel_errors_name_the_misfit(compiled):
+    rows = rand(4, HIDDEN, seed=41)
+    with pytest.raises(ValueError, match="x must be 2-d"):
+        compiled.ext.rms_norm(rows[0], rand(HIDDEN, seed=42), EPS)
+    with pytest.raises(ValueError, match="contiguous last dim"):
+        compiled.ext.silu_mul(rand(HIDDEN, 4, seed=43).t())
+    overlapping = rand(HIDDEN + 3, seed=44).as_strided((4, HIDDEN), (1, 1))
+    with pytest.raises(ValueError, match="residual has overlapping rows"):
+        compiled.ext.add_rms_norm(rows, overlapping, rand(HIDDEN, seed=45), EPS)
+    with pytest.raises(ValueError, match="weight must be contiguous"):
+        compiled.ext.rms_norm(rows, rand(2 * HIDDEN, seed=46)[::2], EPS)
+
+
 def test_autograd_takes_the_reference(compiled):
     untouchable = without_build(compiled)
     x = rand(3, HIDDEN, seed=29).requires_grad_()

@@ -55,11 +55,6 @@ _MAX_HEAD_DIM = 256
 _BF16 = torch.bfloat16
 
 
-def _wants_grad(*tensors: Tensor) -> bool:
-    """True when autograd must see the op (the compiled kernels have no backward)."""
-    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-
-
 class Kernels:
     """The ops of one path (``path``) over its compiled build (``ext``; None: reference).
 
@@ -79,15 +74,6 @@ class Kernels:
         return f"Kernels({self.path!r})"
 
     # ------------------------------------------------------------ elementwise and sampling
-
-    def _fused(self, *tensors: Tensor) -> ModuleType | None:
-        """The build, if the elementwise kernels may take these tensors (bf16 on CPU)."""
-        if self.ext is None:
-            return None
-        for t in tensors:
-            if t.dtype is not _BF16 or not t.is_cpu:
-                return None
-        return None if _wants_grad(*tensors) else self.ext
 
     def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
         """RMSNorm of x [T, H] (``reference.rms_norm``); a new tensor, x unchanged."""
@@ -130,10 +116,9 @@ class Kernels:
 
     def argmax_rows(self, logits: Tensor) -> list[int]:
         """Each row's first largest index (a row holding NaN: torch's max decides)."""
-        ext = self._fused(logits)
-        if ext is None or logits.dim() != 2 or logits.stride(-1) != 1:
+        tokens = self.ext.try_argmax_rows(logits) if self.ext is not None else None
+        if tokens is None:
             return reference.argmax_rows(logits)
-        tokens = ext.argmax_rows(logits).tolist()
         for i, token in enumerate(tokens):
             if token < 0:  # the kernel's NaN signal
                 tokens[i] = int(logits[i].max(dim=-1).indices)

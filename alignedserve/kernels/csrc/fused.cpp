@@ -36,6 +36,7 @@
 #include <limits>
 #include <optional>
 #include <tuple>
+#include <vector>
 
 #include "vec.h"  // Vec, vload / vstore / vround, vexp, bf16 helpers
 
@@ -179,26 +180,44 @@ void silu_mul_row(const uint16_t* gate_up, uint16_t* out, int64_t n) {
 // Input checks raise ValueError in Python, like attention.cpp's.
 #define FUSED_CHECK(cond, ...) TORCH_CHECK_VALUE(cond, __VA_ARGS__)
 
-// A [rows, width] bf16 CPU matrix with unit column stride (rows may have any stride).
-void check_rows(const char* fn, const char* name, const at::Tensor& t, bool written) {
-  FUSED_CHECK(t.dim() == 2, fn, ": ", name, " must be 2-d, got ", t.sizes());
-  FUSED_CHECK(t.scalar_type() == at::kBFloat16, fn, ": ", name, " must be bfloat16, got ",
-              t.scalar_type());
-  FUSED_CHECK(t.device().is_cpu(), fn, ": ", name, " must be on CPU");
-  FUSED_CHECK(t.size(1) <= 1 || t.stride(1) == 1, fn, ": ", name,
-              " must have a contiguous last dim (strides ", t.strides(), ")");
+// Why t is not a matrix the row kernels take, or nullptr when it is: a [rows, width] bf16 CPU
+// matrix with unit column stride (rows may have any stride). The one definition of what they
+// take: check_rows raises it, fits_rows (the try_* entry points) tests it.
+const char* rows_misfit(const at::Tensor& t, bool written) {
+  if (t.dim() != 2) return "must be 2-d";
+  if (t.scalar_type() != at::kBFloat16) return "must be bfloat16";
+  if (!t.device().is_cpu()) return "must be on CPU";
+  if (t.size(1) > 1 && t.stride(1) != 1) return "must have a contiguous last dim";
   // Rows written in place must not overlap, or two threads would race on them.
-  FUSED_CHECK(!written || t.size(0) <= 1 || t.stride(0) >= t.size(1), fn, ": ", name,
-              " rows overlap (strides ", t.strides(), ")");
+  if (written && t.size(0) > 1 && t.stride(0) < t.size(1)) return "has overlapping rows";
+  return nullptr;
+}
+
+void check_rows(const char* fn, const char* name, const at::Tensor& t, bool written) {
+  const char* why = rows_misfit(t, written);
+  FUSED_CHECK(why == nullptr, fn, ": ", name, " ", why, " (", t.scalar_type(), ", sizes ",
+              t.sizes(), ", strides ", t.strides(), ")");
+}
+
+bool fits_rows(const at::Tensor& t, bool written) { return rows_misfit(t, written) == nullptr; }
+
+// Why w is not a weight the norms take (a contiguous bf16 CPU vector), or nullptr.
+const char* weight_misfit(const at::Tensor& w) {
+  if (w.dim() != 1) return "must be 1-d";
+  if (w.scalar_type() != at::kBFloat16 || !w.device().is_cpu()) {
+    return "must be a bfloat16 CPU tensor";
+  }
+  if (!w.is_contiguous()) return "must be contiguous";
+  return nullptr;
 }
 
 void check_weight(const char* fn, const at::Tensor& w, int64_t width) {
-  FUSED_CHECK(w.dim() == 1 && w.size(0) == width, fn, ": weight must be [", width, "], got ",
-              w.sizes());
-  FUSED_CHECK(w.scalar_type() == at::kBFloat16 && w.device().is_cpu(), fn,
-              ": weight must be a bfloat16 CPU tensor");
-  FUSED_CHECK(w.is_contiguous(), fn, ": weight must be contiguous");
+  const char* why = weight_misfit(w);
+  FUSED_CHECK(why == nullptr, fn, ": weight ", why);
+  FUSED_CHECK(w.size(0) == width, fn, ": weight must be [", width, "], got ", w.sizes());
 }
+
+bool fits_weight(const at::Tensor& w) { return weight_misfit(w) == nullptr; }
 
 int64_t grain_rows(int64_t width) {
   return std::max<int64_t>(1, kGrainElems / std::max<int64_t>(width, 1));
@@ -348,18 +367,6 @@ at::Tensor argmax_rows(const at::Tensor& logits) {
 // attribute calls per op, each slow when a decode step's KV stream has just swept the caches.
 // ---------------------------------------------------------------------------------------------
 
-// What check_rows accepts, as a test.
-bool fits_rows(const at::Tensor& t, bool written) {
-  return t.dim() == 2 && t.scalar_type() == at::kBFloat16 && t.device().is_cpu() &&
-         (t.size(1) <= 1 || t.stride(1) == 1) &&
-         (!written || t.size(0) <= 1 || t.stride(0) >= t.size(1));
-}
-
-bool fits_weight(const at::Tensor& w) {
-  return w.dim() == 1 && w.scalar_type() == at::kBFloat16 && w.device().is_cpu() &&
-         w.is_contiguous();
-}
-
 // True when autograd must record the op (the kernels have no backward).
 bool wants_grad(std::initializer_list<const at::Tensor*> tensors) {
   if (!at::GradMode::is_enabled()) return false;
@@ -407,6 +414,16 @@ std::optional<at::Tensor> try_silu_mul(const at::Tensor& gate_up) {
   return silu_mul(gate_up);
 }
 
+// Greedy tokens as a list, or nothing where the kernel does not take the logits (argmax has no
+// gradient, so autograd does not matter here).
+std::optional<std::vector<int64_t>> try_argmax_rows(const at::Tensor& logits) {
+  if (!fits_rows(logits, false) || logits.size(1) == 0 || logits.size(1) >= (int64_t{1} << 31))
+    return {};
+  const at::Tensor tokens = argmax_rows(logits);
+  const int64_t* p = tokens.const_data_ptr<int64_t>();
+  return std::vector<int64_t>(p, p + tokens.numel());
+}
+
 }  // namespace
 
 void register_fused(pybind11::module_& m) {
@@ -434,6 +451,8 @@ void register_fused(pybind11::module_& m) {
         arg("head_dim"));
   m.def("try_silu_mul", &try_silu_mul, "silu_mul, or None where it does not take the input.",
         arg("gate_up"));
+  m.def("try_argmax_rows", &try_argmax_rows,
+        "argmax_rows as a list, or None where it does not take the logits.", arg("logits"));
   m.def("argmax_rows", &argmax_rows,
         "First argmax of each bf16 row (int64); -1 where the row holds a NaN.", arg("logits"));
 }
