@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from alignedserve.executor.attention import PrefillSegment, StepAttention
-from alignedserve.kernels import Kernels
+from alignedserve.kernels import Kernels, kv_layout
 
 
 @pytest.fixture
@@ -133,3 +133,57 @@ def test_a_querys_output_does_not_depend_on_its_chunk(ext):
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(single, whole)
+
+
+def tiled_planes(k: torch.Tensor, v: torch.Tensor, capacity: int) -> torch.Tensor:
+    """[2, kv_heads, capacity, dim] tiled K and V planes holding k, v [kv_heads, S, dim]; every
+    position past S holds a stale NaN or inf (memory a finished request left behind)."""
+    kv_heads, keys, dim = k.shape
+    planes = torch.full((2, kv_heads, capacity, dim), float("nan"), dtype=torch.bfloat16)
+    planes[:, :, keys + 1:] = float("inf")
+    kv_layout.write(planes[0], 0, k, kv_layout.KEYS)
+    kv_layout.write(planes[1], 0, v, kv_layout.VALUES)
+    return planes
+
+
+@pytest.mark.parametrize("tokens,start", [(1, 0), (17, 0), (300, 0), (37, 100), (211, 300),
+                                          (48, 1000), (128, 128)])
+def test_reads_tiled_planes_in_place(ext, tokens: int, start: int):
+    """Where the path reads a tiled cache itself, its answer over the planes is the one over
+    token-major K/V (to rounding), and stale data past the prompt never reaches it."""
+    if not ext.prefill_reads_tiled:
+        pytest.skip(f"the {ext.path} path reads token-major copies of tiled planes")
+    torch.manual_seed(tokens + start)
+    heads, kv_heads, dim, keys = 9, 3, 64, start + tokens
+    k = torch.randn(kv_heads, keys, dim, dtype=torch.bfloat16) * 2
+    v = torch.randn(kv_heads, keys, dim, dtype=torch.bfloat16)
+    q = torch.randn(tokens, heads, dim, dtype=torch.bfloat16) * 2
+    planes = tiled_planes(k, v, kv_layout.round_up(keys) + 32)
+    hi = kv_layout.round_up(keys)
+    got = ext.prefill_attention(q, planes[0, :, :hi], planes[1, :, :hi], start, 0.125,
+                                tiled=True)
+    assert not got.isnan().any()
+    want = reference(q, k, v, start, 0.125)
+    assert (got.float() - want).abs().max().item() <= (
+        1.25 * bf16_sdpa_error(q, k, v, start, 0.125, want) + 1e-3)
+
+
+def test_over_tiled_planes_a_querys_output_does_not_depend_on_its_chunk(ext):
+    """The batch invariance of the test above, when the kernel reads a tiled cache."""
+    if not ext.prefill_reads_tiled:
+        pytest.skip(f"the {ext.path} path reads token-major copies of tiled planes")
+    torch.manual_seed(6)
+    heads, kv_heads, dim, n = 9, 3, 64, 1000
+    k = torch.randn(kv_heads, n, dim, dtype=torch.bfloat16) * 2
+    v = torch.randn(kv_heads, n, dim, dtype=torch.bfloat16)
+    q = torch.randn(n, heads, dim, dtype=torch.bfloat16) * 2
+    planes = tiled_planes(k, v, 1024)
+    whole = ext.prefill_attention(q, planes[0], planes[1], 0, 0.125, tiled=True)
+    parts, start = [], 0
+    for size in (300, 1, 450, 249):
+        stop = start + size
+        hi = kv_layout.round_up(stop)
+        parts.append(ext.prefill_attention(q[start:stop], planes[0, :, :hi], planes[1, :, :hi],
+                                           start, 0.125, tiled=True))
+        start = stop
+    assert torch.equal(torch.cat(parts), whole)

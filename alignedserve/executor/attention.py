@@ -5,9 +5,9 @@ row. Linear layers run once over all of them; attention runs per prefill chunk (
 request's cache, causal: the path's prefill kernel, ``Kernels.prefill_attention``, where it
 applies, torch's SDPA otherwise) and over all decode rows at once (one kernel call that
 appends each row's new K/V and attends over exactly that row's length: no padding).
-With ``tiled`` caches (``kv_layout``) a chunk is stored by ``write_tiled``; the AMX prefill
-kernel reads the tiled planes itself, the other prefill kernels and SDPA get the earlier
-chunks' K/V as a token-major copy (``kv_layout.read``) followed by the chunk's own.
+With ``tiled`` caches (``kv_layout``) a chunk is stored by ``write_tiled``; the AMX and
+AVX512-BF16 prefill kernels read the tiled planes themselves, the AVX2 kernel and SDPA get the
+earlier chunks' K/V as a token-major copy (``kv_layout.read``) followed by the chunk's own.
 """
 
 from __future__ import annotations

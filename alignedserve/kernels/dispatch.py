@@ -166,9 +166,9 @@ class Kernels:
 
     @property
     def prefill_reads_tiled(self) -> bool:
-        """Whether `prefill_attention` reads tiled planes itself (AMX) rather than through a
-        token-major copy."""
-        return self.amx
+        """Whether `prefill_attention` reads tiled planes itself (AMX, AVX512-BF16) rather
+        than through a token-major copy."""
+        return self.amx or self.avx512_bf16
 
     def prefill_kernel_applies(self, q: Tensor) -> bool:
         """Whether `prefill_attention` takes chunks with queries like ``q`` (bf16 on CPU, a
@@ -189,12 +189,12 @@ class Kernels:
         `prefill_kernel_applies`."""
         if self.amx:
             return self.ext.prefill_attention(q, keys, values, start, scale, tiled)
-        if tiled:  # only the AMX kernel reads tiled planes itself (prefill_reads_tiled)
+        if self.avx512_bf16:
+            return self.ext.prefill_attention_avx512(q, keys, values, start, scale, tiled)
+        if tiled:  # the AVX2 kernel takes token-major K/V only (prefill_reads_tiled)
             stop = start + q.shape[0]
             keys = kv_layout.read(keys, stop, kv_layout.KEYS)
             values = kv_layout.read(values, stop, kv_layout.VALUES)
-        if self.avx512_bf16:
-            return self.ext.prefill_attention_avx512(q, keys, values, start, scale)
         return self.ext.prefill_attention_avx2(q, keys, values, start, scale)
 
     def write_tiled(self, cache: Tensor, layer: int, k: Tensor, v: Tensor, start: int) -> None:

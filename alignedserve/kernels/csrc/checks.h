@@ -73,11 +73,12 @@ inline at::Tensor linear_bias(const std::optional<at::Tensor>& bias_opt, int64_t
 }
 
 // Causal prefill attention: q [T, H, D] (heads dense within a token row), k and v
-// [KVH, S, D] with dense token rows, S == start + T, H a multiple of KVH, D a multiple of
-// `dim_multiple` up to 256, a positive scale; all bf16 on CPU.
+// [KVH, S, D] with dense token rows, S == start + T (``tiled``: a tiled cache's planes, S >=
+// start + T and S % 16 == 0), H a multiple of KVH, D a multiple of `dim_multiple` up to 256, a
+// positive scale; all bf16 on CPU.
 inline void prefill_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                            int64_t start, double scale, int64_t dim_multiple,
-                           const char* kernel) {
+                           const char* kernel, bool tiled = false) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, kernel, ": q, k, v must be 3-d");
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 &&
                   v.scalar_type() == at::kBFloat16, kernel, ": bf16 only");
@@ -97,7 +98,12 @@ inline void prefill_inputs(const at::Tensor& q, const at::Tensor& k, const at::T
               kernel, ": k token rows must be dense");
   TORCH_CHECK(v.stride(2) == 1 && (v.size(1) <= 1 || v.stride(1) == D),
               kernel, ": v token rows must be dense");
-  TORCH_CHECK(start >= 0 && k.size(1) == start + T, kernel, ": need S == start + T");
+  if (tiled) {  // a tiled cache's planes: at least start + T positions, in whole 16-token blocks
+    TORCH_CHECK(start >= 0 && k.size(1) >= start + T && k.size(1) % 16 == 0, kernel,
+                ": tiled k/v must hold start + T positions, capacity % 16 == 0");
+  } else {
+    TORCH_CHECK(start >= 0 && k.size(1) == start + T, kernel, ": need S == start + T");
+  }
 }
 
 }  // namespace alignedserve::checks

@@ -6,7 +6,10 @@
 //   q     : [T, H, D] bf16, heads dense within a token row (stride(0) free: a view of a fused
 //           qkv projection); query i sits at absolute position start + i.
 //   k, v  : [KVH, S, D] bf16 with S == start + T, token rows dense (stride(2) == 1,
-//           stride(1) == D; stride(0) free, so a layer slice of a request's cache works).
+//           stride(1) == D; stride(0) free, so a layer slice of a request's cache works);
+//           or, `tiled`, a tiled cache's K and V planes (alignedserve/kernels/kv_layout.py)
+//           holding at least start + T positions, capacity % 16 == 0 (stale data past
+//           start + T is never used).
 //   out   : [T, H, D] bf16 (contiguous) = softmax(scale * q.k) . v over keys 0..start+i of kv
 //           head h / (H / KVH), i.e. SDPA with a bottom-right causal mask. Scores, softmax and
 //           accumulators are fp32; the probabilities are rounded to bf16 for the P.V product,
@@ -25,6 +28,11 @@
 //   * O^T += V^T . P^T: V is packed once per call into pairs of keys per dim ([S/2][D] words)
 //     so that (V[2r][d], V[2r+1][d]) is one broadcast. A register block of up to 3 heads x 8
 //     dims; the accumulators live in memory between key blocks.
+//   * A tiled cache is read in place, with no copy per call: its V plane is that packed layout
+//     already, and its K plane keeps each key's pair of dims as one word too (16 keys of a
+//     block side by side per pair), so only the addressing of the broadcasts changes. Results
+//     agree with the token-major call to rounding (a rare score moves by an fp32 ulp; the
+//     cause was not found), so a caller sends all of a prompt's chunks the same way.
 //
 // Batch invariance: the output of the query at absolute position p depends only on q[p] and
 // K/V[0..p], never on T, start, the thread count or the work split. Keys are taken in blocks
@@ -92,12 +100,14 @@ inline __m512bh as_bh(__m512i x) { return reinterpret_cast<__m512bh>(x); }
 struct Problem {
   const uint16_t* q;   // query i, head h at q + i * q_stride + h * D
   int64_t q_stride;
-  const uint16_t* k;   // kv head g, token t at k + g * k_hstride + t * D
+  const uint16_t* k;   // kv head g at k + g * k_hstride: token-major rows, or a tiled K plane
   int64_t k_hstride;
-  const uint32_t* vp;  // [KVH][s_pad / 2][D]: (V[2r][d], V[2r+1][d]) pairs, zero past S
+  const uint32_t* vp;  // kv head g at vp + g * v_hstride: (V[2r][d], V[2r+1][d]) at r * D + d,
+  int64_t v_hstride;   //   zero past S (packed), or a tiled V plane (the same layout, not zeroed)
   uint16_t* out;       // [T, H, D]
   int64_t T, H, KVH, D, S, start, s_pad, group;
   float scale_log2;
+  bool tiled;          // k, vp are a tiled cache's planes (kv_layout.py)
 };
 
 // Per-thread buffers, 64-byte aligned: per-head state for a whole GQA group, block buffers for
@@ -110,13 +120,14 @@ struct Scratch {
   float* acc;       // [group][D][16]: O^T accumulators
   float* m;         // [group][16]: running max (log2 domain, scaled)
   float* l;         // [group][16]: running sum
-  uint16_t* kpad;   // [kStep][D]: the last keys of the cache, zero past S
+  uint16_t* kpad;   // [kStep][D]: the last keys of the cache, zero past S (token-major)
+  uint32_t* vpad;   // [kStep / 2][D]: the last value pairs of a tiled plane, zero past S
   uint32_t* pairs;  // [D/2][16]: one head's output, bf16 pairs of dims per query lane
 
   explicit Scratch(const Problem& P) {
     const int64_t G = P.group, D = P.D;
     const int64_t words = G * (D / 2) * 16 + kMaxBatch * kB * 16 + kMaxBatch * (kB / 2) * 16 +
-                          G * D * 16 + 2 * G * 16 + kStep * D / 2 + (D / 2) * 16 + 8 * 16;
+                          G * D * 16 + 2 * G * 16 + kStep * D / 2 + kStep * D / 2 + (D / 2) * 16 + 9 * 16;
     raw.assign(words + 16, 0u);
     auto* base = reinterpret_cast<uint32_t*>(
         (reinterpret_cast<uintptr_t>(raw.data()) + 63) & ~uintptr_t{63});
@@ -132,6 +143,7 @@ struct Scratch {
     m = reinterpret_cast<float*>(take(G * 16));
     l = reinterpret_cast<float*>(take(G * 16));
     kpad = reinterpret_cast<uint16_t*>(take(kStep * D / 2));
+    vpad = take(kStep * D / 2);
     pairs = take((D / 2) * 16);
   }
 };
@@ -158,10 +170,12 @@ void pack_queries(const Problem& P, int64_t i0, int nq, int64_t head, uint32_t* 
   }
 }
 
-// Raw scores of NK consecutive keys (rows of `krows`, D apart) for NH heads: s[h] row kk =
-// sum over dim pairs j of Q^T[j] . (K[kk][2j], K[kk][2j+1]). kMask: keys after a lane's
+// Raw scores of NK consecutive keys for NH heads: s[h] row kk = sum over dim pairs j of
+// Q^T[j] . (K[kk][2j], K[kk][2j+1]). The pair (K[kk][2j], K[kk][2j+1]) is word kk * D/2 + j of
+// `krows` (token-major rows) or, kTiled, word j * 16 + kk (`krows` points at the first key's
+// word in its 16-token block; the NK keys never cross a block). kMask: keys after a lane's
 // position get kMaskedScore.
-template <int NH, int NK, bool kMask>
+template <int NH, int NK, bool kMask, bool kTiled>
 inline void block_scores(const uint32_t* const* qt, const uint16_t* krows, int64_t D,
                          float* const* s, __m512i qpos, int32_t key0, __m512* bmax) {
   __m512 acc[NH][NK];
@@ -175,7 +189,8 @@ inline void block_scores(const uint32_t* const* qt, const uint16_t* krows, int64
     for (int h = 0; h < NH; ++h) qv[h] = as_bh(_mm512_load_si512(qt[h] + j * 16));
 #pragma GCC unroll 16
     for (int kk = 0; kk < NK; ++kk) {
-      const __m512bh kb = as_bh(_mm512_set1_epi32(static_cast<int>(kw[kk * words + j])));
+      const uint32_t word = kTiled ? kw[j * 16 + kk] : kw[kk * words + j];
+      const __m512bh kb = as_bh(_mm512_set1_epi32(static_cast<int>(word)));
 #pragma GCC unroll 3
       for (int h = 0; h < NH; ++h) acc[h][kk] = _mm512_dpbf16_ps(acc[h][kk], qv[h], kb);
     }
@@ -278,7 +293,8 @@ inline void block_values(const uint32_t* p, int npairs, const uint32_t* vp, int6
 }
 
 // One key block [t0, t0 + n) for the NH heads h0 .. h0 + NH - 1 (indices within the group).
-template <int NH>
+// Keys and value pairs from pad_from on come from the scratch's zero-padded copies.
+template <int NH, bool kTiled>
 void run_block(const Problem& P, Scratch& sc, const uint16_t* k_head, const uint32_t* v_head,
                int h0, int64_t t0, int n, int64_t pad_from, bool mask, __m512i qpos) {
   // Keys per score block: 8 whatever NH (16 broadcast streams for a lone head were slower).
@@ -295,14 +311,20 @@ void run_block(const Problem& P, Scratch& sc, const uint16_t* k_head, const uint
   for (int j = 0; j < NH; ++j) bmax[j] = _mm512_set1_ps(kMaskedScore);
   for (int c = 0; c < n; c += NK) {
     const int64_t key = t0 + c;
-    // Keys from pad_from on are read from the zero-padded copy of the cache's last rows.
-    const uint16_t* krows = key >= pad_from ? sc.kpad + (key - pad_from) * D : k_head + key * D;
+    // Token-major keys from pad_from on are read from the zero-padded copy of the cache's
+    // last rows. A tiled plane is read as it is up to the end of the block holding S - 1: its
+    // keys from S on are in every lane's future (masked), or only lanes past T see them.
+    const uint16_t* krows =
+        kTiled ? k_head + key / 16 * 16 * D + key % 16 * 2
+               : (key >= pad_from ? sc.kpad + (key - pad_from) * D : k_head + key * D);
     float* sc_rows[NH];
     for (int j = 0; j < NH; ++j) sc_rows[j] = s[j] + c * 16;
     if (mask) {
-      block_scores<NH, NK, true>(qt, krows, D, sc_rows, qpos, static_cast<int32_t>(key), bmax);
+      block_scores<NH, NK, true, kTiled>(qt, krows, D, sc_rows, qpos, static_cast<int32_t>(key),
+                                         bmax);
     } else {
-      block_scores<NH, NK, false>(qt, krows, D, sc_rows, qpos, static_cast<int32_t>(key), bmax);
+      block_scores<NH, NK, false, kTiled>(qt, krows, D, sc_rows, qpos,
+                                          static_cast<int32_t>(key), bmax);
     }
   }
   for (int j = 0; j < NH; ++j) {
@@ -317,7 +339,15 @@ void run_block(const Problem& P, Scratch& sc, const uint16_t* k_head, const uint
       }
     }
   }
-  block_values<NH, ND>(sc.p, n / 2, v_head + (t0 / 2) * D, D, sc.acc + h0 * D * 16);
+  // A tiled plane's value pairs from pad_from on come from the zero-padded copy (a key past S
+  // has probability +0, but 0 * a stale inf would be NaN). Two calls sum in the same order.
+  const int plane_pairs = kTiled ? static_cast<int>(std::min<int64_t>(n, pad_from - t0)) / 2
+                                 : n / 2;
+  block_values<NH, ND>(sc.p, plane_pairs, v_head + (t0 / 2) * D, D, sc.acc + h0 * D * 16);
+  if (plane_pairs < n / 2) {
+    block_values<NH, ND>(sc.p + plane_pairs * 16, n / 2 - plane_pairs, sc.vpad, D,
+                         sc.acc + h0 * D * 16);
+  }
 }
 
 // out rows i0 .. i0 + nq - 1 of head `head` = O^T / l, rounded to bf16 (nearest even). Each
@@ -346,6 +376,18 @@ void store_outputs(const Problem& P, const float* acc, const float* l, int64_t i
   }
 }
 
+// run_block for a batch of `size` heads (1 to kMaxBatch).
+template <bool kTiled>
+inline void run_sized(int size, const Problem& P, Scratch& sc, const uint16_t* k_head,
+                      const uint32_t* v_head, int h0, int64_t t0, int n, int64_t pad_from,
+                      bool mask, __m512i qpos) {
+  switch (size) {
+    case 3: return run_block<3, kTiled>(P, sc, k_head, v_head, h0, t0, n, pad_from, mask, qpos);
+    case 2: return run_block<2, kTiled>(P, sc, k_head, v_head, h0, t0, n, pad_from, mask, qpos);
+    default: return run_block<1, kTiled>(P, sc, k_head, v_head, h0, t0, n, pad_from, mask, qpos);
+  }
+}
+
 void run_item(const Problem& P, const Item& it, Scratch& sc) {
   const int64_t g = it.g, i0 = it.qb * kQ;
   const int h_lo = it.h_lo, h_n = it.h_n;
@@ -363,19 +405,27 @@ void run_item(const Problem& P, const Item& it, Scratch& sc) {
     std::fill_n(sc.acc + h * D * 16, D * 16, 0.0f);
   }
   const uint16_t* k_head = P.k + g * P.k_hstride;
-  const uint32_t* v_head = P.vp + g * (P.s_pad / 2) * D;
+  const uint32_t* v_head = P.vp + g * P.v_hstride;
   // Blocks up to the one holding p_max; lanes whose position lies in an earlier block see the
   // later ones fully masked, which changes nothing for them (probabilities +0, max unmoved).
   // The last block stops after the 16 keys that hold p_max; keys from S on (at most the last
-  // kStep) come from a zero-padded copy.
+  // kStep) come from a zero-padded copy (token-major), value pairs of a tiled plane too.
   const int64_t b_last = p_max / kB;
   const int64_t t_end = (p_max + kStep) / kStep * kStep;
   int64_t pad_from = std::numeric_limits<int64_t>::max();
   if (t_end > P.S) {
     pad_from = t_end - kStep;
     const int64_t have = P.S - pad_from;
-    std::memcpy(sc.kpad, k_head + pad_from * D, have * D * 2);
-    std::memset(sc.kpad + have * D, 0, (kStep - have) * D * 2);
+    if (P.tiled) {
+      std::memcpy(sc.vpad, v_head + pad_from / 2 * D, kStep / 2 * D * 4);
+      auto* halves = reinterpret_cast<uint16_t*>(sc.vpad);  // token 2r + i of pair r: half i
+      for (int64_t t = have; t < kStep; ++t) {
+        for (int64_t d = 0; d < D; ++d) halves[(t / 2 * D + d) * 2 + t % 2] = 0;
+      }
+    } else {
+      std::memcpy(sc.kpad, k_head + pad_from * D, have * D * 2);
+      std::memset(sc.kpad + have * D, 0, (kStep - have) * D * 2);
+    }
   }
   // Head batches of at most kMaxBatch, as even as possible.
   const int batches = (h_n + kMaxBatch - 1) / kMaxBatch;
@@ -387,10 +437,10 @@ void run_item(const Problem& P, const Item& it, Scratch& sc) {
     for (int bi = 0; bi < batches; ++bi) {
       const int size = (h_n - done + (batches - bi) - 1) / (batches - bi);
       const int batch = h_lo + done;
-      switch (size) {
-        case 3: run_block<3>(P, sc, k_head, v_head, batch, t0, n, pad_from, mask, qpos); break;
-        case 2: run_block<2>(P, sc, k_head, v_head, batch, t0, n, pad_from, mask, qpos); break;
-        default: run_block<1>(P, sc, k_head, v_head, batch, t0, n, pad_from, mask, qpos); break;
+      if (P.tiled) {
+        run_sized<true>(size, P, sc, k_head, v_head, batch, t0, n, pad_from, mask, qpos);
+      } else {
+        run_sized<false>(size, P, sc, k_head, v_head, batch, t0, n, pad_from, mask, qpos);
       }
       done += size;
     }
@@ -448,24 +498,26 @@ bool prefill_avx512_available() {
 }
 
 at::Tensor prefill_attention_avx512(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                    int64_t start, double scale) {
+                                    int64_t start, double scale, bool tiled) {
   TORCH_CHECK(prefill_avx512_available(),
               "prefill_attention_avx512: this build has no AVX512-BF16 kernel");
-  checks::prefill_inputs(q, k, v, start, scale, 32, "prefill_attention_avx512");
+  checks::prefill_inputs(q, k, v, start, scale, 32, "prefill_attention_avx512", tiled);
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2), KVH = k.size(0);
-  const int64_t S = k.size(1);
+  const int64_t S = start + T;
   at::Tensor out = at::empty({T, H, D}, q.options());
 #ifdef ALIGNEDSERVE_PREFILL_AVX512
   if (T == 0) return out;
   const int64_t s_pad = (S + kB - 1) / kB * kB;
-  const at::Tensor vp = pack_values(v, s_pad);
+  // A tiled V plane already stores pairs of keys per dim: the kernel reads it in place.
+  const at::Tensor vp = tiled ? v : pack_values(v, s_pad);
+  const int64_t v_hstride = tiled ? v.stride(0) / 2 : (s_pad / 2) * D;
   const int64_t group = H / KVH;
   Problem P{reinterpret_cast<const uint16_t*>(q.data_ptr()), q.stride(0),
             reinterpret_cast<const uint16_t*>(k.data_ptr()), k.stride(0),
-            reinterpret_cast<const uint32_t*>(vp.data_ptr()),
+            reinterpret_cast<const uint32_t*>(vp.data_ptr()), v_hstride,
             reinterpret_cast<uint16_t*>(out.data_ptr()),
             T, H, KVH, D, S, start, s_pad, group,
-            static_cast<float>(scale) * kLog2e};
+            static_cast<float>(scale) * kLog2e, tiled};
   const int64_t qb_count = (T + kQ - 1) / kQ;
   const int threads = at::get_num_threads();
   // Split the group's heads into separate items when whole-group items are too few to
@@ -497,8 +549,9 @@ void register_prefill_avx512(pybind11::module_& m) {
         "True when this build has the AVX512-BF16 prefill kernel.");
   m.def("prefill_attention_avx512", &prefill_attention_avx512,
         "Causal attention of q [T, H, D] (absolute positions start..start+T-1) over k/v "
-        "[KVH, start+T, D] (bf16, AVX512-BF16); batch-invariant.",
-        arg("q"), arg("k"), arg("v"), arg("start"), arg("scale"));
+        "[KVH, start+T, D] (bf16, AVX512-BF16), or a tiled cache's planes (tiled: [KVH, "
+        ">= start+T, D], kv_layout.py); batch-invariant.",
+        arg("q"), arg("k"), arg("v"), arg("start"), arg("scale"), arg("tiled") = false);
 }
 
 }  // namespace alignedserve
