@@ -73,11 +73,16 @@ def ext(tiled_kernels: Kernels):
 
 def test_compiled_writer_matches_layout(compiled: Kernels):
     gen = torch.Generator().manual_seed(1)
-    for start, count in [(0, 1), (0, 16), (5, 40), (15, 2), (31, 33), (64, 100)]:
+    for start, count in [(0, 1), (0, 16), (5, 40), (15, 2), (31, 33), (64, 100), (3, 61),
+                         (16, 32), (1, 30), (0, 171)]:
         cache = random_bf16(LAYERS, 2, KV_HEADS, 176, DIM, gen=gen)
         expect = cache.clone()
         k = random_bf16(count, KV_HEADS, DIM, gen=gen)
         v = random_bf16(count, KV_HEADS, DIM, gen=gen)
+        if count % 2:  # rows a fused qkv's width apart, as the engine passes them
+            qkv = random_bf16(count, 3 * KV_HEADS, DIM, gen=gen)
+            qkv[:, KV_HEADS:2 * KV_HEADS], qkv[:, 2 * KV_HEADS:] = k, v
+            k, v = qkv[:, KV_HEADS:2 * KV_HEADS], qkv[:, 2 * KV_HEADS:]
         compiled.write_tiled(cache, 1, k, v, start)
         kv_layout.write(expect[1, 0], start, k.transpose(0, 1), kv_layout.KEYS)
         kv_layout.write(expect[1, 1], start, v.transpose(0, 1), kv_layout.VALUES)

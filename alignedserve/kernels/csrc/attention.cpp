@@ -1151,8 +1151,17 @@ inline void merge_split(const Problem& P, const Split& sp) {
 // Entry point
 // ----------------------------------------------------------------------------------------------
 
-// Prefill's writer for tiled caches: k, v [T, kv_heads, dim] (bf16) into positions
-// [start, start + T) of layer `layer` of `cache`.
+// t itself when each row's [heads, dim] block is dense (rows may be any distance apart, as in
+// a view of a fused qkv), else a contiguous copy.
+at::Tensor dense_rows(const at::Tensor& t) {
+  const bool dense = t.stride(2) == 1 && (t.size(1) <= 1 || t.stride(1) == t.size(2));
+  return dense ? t : t.contiguous();
+}
+
+// Prefill's writer for tiled caches: k, v [T, kv_heads, dim] (bf16; rows any distance apart,
+// as views of a fused qkv are) into positions [start, start + T) of layer `layer` of `cache`.
+// Work is split by (kv head, 16-token block), K and V together. Whole K blocks and whole V
+// pairs are written in output order; a chunk's partial first and last ones token by token.
 void write_tiled(const at::Tensor& cache, int64_t layer, const at::Tensor& k, const at::Tensor& v,
                  int64_t start) {
   TORCH_CHECK_VALUE(cache.dim() == 5 && cache.scalar_type() == at::kBFloat16 &&
@@ -1165,21 +1174,41 @@ void write_tiled(const at::Tensor& cache, int64_t layer, const at::Tensor& k, co
                     "write_tiled: k, v must be [T, kv_heads, head_dim]");
   TORCH_CHECK_VALUE(layer >= 0 && layer < cache.size(0) && start >= 0 &&
                         start + T <= cache.size(3), "write_tiled: layer or positions out of range");
-  const at::Tensor kc = k.to(at::kBFloat16).contiguous(), vc = v.to(at::kBFloat16).contiguous();
+  if (T == 0) return;
+  const at::Tensor kc = dense_rows(k.to(at::kBFloat16)), vc = dense_rows(v.to(at::kBFloat16));
   const auto* ks = reinterpret_cast<const uint16_t*>(kc.data_ptr());
   const auto* vs = reinterpret_cast<const uint16_t*>(vc.data_ptr());
+  const int64_t k_row = kc.stride(0), v_row = vc.stride(0), stop = start + T;
   auto* base = reinterpret_cast<uint16_t*>(cache.data_ptr()) + layer * cache.stride(0);
-  at::parallel_for(0, 2 * kv_heads, 1, [&](int64_t lo, int64_t hi) {  // (K or V, kv head)
+  const int64_t first_block = start / 16, blocks = (stop + 15) / 16 - first_block;
+  at::parallel_for(0, kv_heads * blocks, 4, [&](int64_t lo, int64_t hi) {
     for (int64_t task = lo; task < hi; ++task) {
-      const bool keys = task < kv_heads;
-      const int64_t g = task % kv_heads;
-      uint16_t* plane = base + (keys ? 0 : cache.stride(1)) + g * cache.stride(2);
-      const uint16_t* src = (keys ? ks : vs) + g * dim;
-      for (int64_t i = 0; i < T; ++i) {
-        if (keys) {
-          put_key_tiled(plane, start + i, src + i * kv_heads * dim, dim);
+      const int64_t g = task / blocks, t0 = (first_block + task % blocks) * 16;
+      const int64_t a = std::max(start, t0), b = std::min(stop, t0 + 16);
+      uint16_t* k_plane = base + g * cache.stride(2);
+      uint16_t* v_plane = k_plane + cache.stride(1);
+      auto k_src = [&](int64_t t) { return ks + (t - start) * k_row + g * dim; };
+      auto v_src = [&](int64_t t) { return vs + (t - start) * v_row + g * dim; };
+      if (a == t0 && b == t0 + 16) {  // a whole K block: [dim/2][16 tokens][2 dims]
+        uint16_t* block = k_plane + t0 * dim;
+        for (int64_t j = 0; j < dim / 2; ++j) {
+          for (int64_t i = 0; i < 16; ++i) {
+            std::memcpy(block + (j * 16 + i) * 2, k_src(t0 + i) + 2 * j, 4);
+          }
+        }
+      } else {
+        for (int64_t t = a; t < b; ++t) put_key_tiled(k_plane, t, k_src(t), dim);
+      }
+      for (int64_t t = a; t < b;) {  // V pairs: [dim][2 tokens]
+        if (t % 2 == 0 && t + 1 < b) {
+          uint16_t* pair = v_plane + t * dim;
+          const uint16_t* v0 = v_src(t);
+          const uint16_t* v1 = v_src(t + 1);
+          for (int64_t d = 0; d < dim; ++d) pair[2 * d] = v0[d], pair[2 * d + 1] = v1[d];
+          t += 2;
         } else {
-          put_value_tiled(plane, start + i, src + i * kv_heads * dim, dim);
+          put_value_tiled(v_plane, t, v_src(t), dim);
+          t += 1;
         }
       }
     }
@@ -1189,12 +1218,6 @@ void write_tiled(const at::Tensor& cache, int64_t layer, const at::Tensor& k, co
 // Input checks raise ValueError in Python (TORCH_CHECK_VALUE), like the PyTorch reference.
 #define ALIGNEDSERVE_CHECK(cond, ...) TORCH_CHECK_VALUE(cond, "decode_attention: ", __VA_ARGS__)
 
-// t itself when each row's [heads, dim] block is dense (rows may be any distance apart, as in
-// a view of a fused qkv), else a contiguous copy.
-at::Tensor dense_rows(const at::Tensor& t) {
-  const bool dense = t.stride(2) == 1 && (t.size(1) <= 1 || t.stride(1) == t.size(2));
-  return dense ? t : t.contiguous();
-}
 
 void check_shapes(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new,
                   size_t n_caches, const at::Tensor& positions) {
