@@ -105,7 +105,7 @@ struct Problem {
   const uint32_t* vp;  // kv head g at vp + g * v_hstride: (V[2r][d], V[2r+1][d]) at r * D + d,
   int64_t v_hstride;   //   zero past S (packed), or a tiled V plane (the same layout, not zeroed)
   uint16_t* out;       // [T, H, D]
-  int64_t T, H, KVH, D, S, start, s_pad, group;
+  int64_t T, H, KVH, D, S, start, group;
   float scale_log2;
   bool tiled;          // k, vp are a tiled cache's planes (kv_layout.py)
 };
@@ -127,7 +127,8 @@ struct Scratch {
   explicit Scratch(const Problem& P) {
     const int64_t G = P.group, D = P.D;
     const int64_t words = G * (D / 2) * 16 + kMaxBatch * kB * 16 + kMaxBatch * (kB / 2) * 16 +
-                          G * D * 16 + 2 * G * 16 + kStep * D / 2 + kStep * D / 2 + (D / 2) * 16 + 9 * 16;
+                          G * D * 16 + 2 * G * 16 + 2 * (kStep * D / 2) + (D / 2) * 16 +
+                          9 * 16;
     raw.assign(words + 16, 0u);
     auto* base = reinterpret_cast<uint32_t*>(
         (reinterpret_cast<uintptr_t>(raw.data()) + 63) & ~uintptr_t{63});
@@ -516,7 +517,7 @@ at::Tensor prefill_attention_avx512(const at::Tensor& q, const at::Tensor& k, co
             reinterpret_cast<const uint16_t*>(k.data_ptr()), k.stride(0),
             reinterpret_cast<const uint32_t*>(vp.data_ptr()), v_hstride,
             reinterpret_cast<uint16_t*>(out.data_ptr()),
-            T, H, KVH, D, S, start, s_pad, group,
+            T, H, KVH, D, S, start, group,
             static_cast<float>(scale) * kLog2e, tiled};
   const int64_t qb_count = (T + kQ - 1) / kQ;
   const int threads = at::get_num_threads();
