@@ -2,9 +2,10 @@
 // and the AVX512-BF16 linear kernel's SwiGLU epilogue (linear_avx512.cpp), so both round and
 // exponentiate exactly alike (fused.cpp's file comment states the rounding contract).
 //
-// AVX-512 (F + BW + VL) where the compiler targets it, else plain arrays that the compiler
-// auto-vectorises for whatever the target has. Everything sits in an unnamed namespace: each
-// translation unit gets its own copy, as when it lived in fused.cpp.
+// AVX-512 (F + BW + VL) where the compiler targets it, two AVX2 ymm registers where it targets
+// AVX2 + FMA, else plain arrays that the compiler auto-vectorises for whatever the target has.
+// Everything sits in an unnamed namespace: each translation unit gets its own copy, as when it
+// lived in fused.cpp.
 #pragma once
 
 #include <algorithm>
@@ -16,6 +17,9 @@
 // since Skylake-SP has them); anything else takes the portable path.
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define ALIGNEDSERVE_FUSED_AVX512 1
+#include <immintrin.h>
+#elif defined(__AVX2__) && defined(__FMA__)
+#define ALIGNEDSERVE_FUSED_AVX2 1
 #include <immintrin.h>
 #endif
 
@@ -112,6 +116,96 @@ inline Vec vexp(Vec x) {
   u = _mm512_add_ps(_mm512_set1_ps(1.0f), _mm512_fmadd_ps(_mm512_mul_ps(s, s), u, s));
   return {_mm512_scalef_ps(u, q)};
 }
+
+#elif defined(ALIGNEDSERVE_FUSED_AVX2)
+// Two ymm registers per vector (lanes 0..7 in lo, 8..15 in hi), op for op the AVX-512 version
+// (the portable arrays below were left mostly scalar by GCC). AVX2 has no 16-bit masked
+// loads/stores: a short tail goes through a zeroed 16-element buffer.
+
+struct Vec {
+  __m256 lo, hi;
+};
+inline Vec vset1(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
+inline __m256 widen8(const uint16_t* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+inline Vec vload(const uint16_t* p, int64_t n) {
+  if (n >= kLanes) return {widen8(p), widen8(p + 8)};
+  uint16_t tail[kLanes] = {};
+  std::memcpy(tail, p, static_cast<size_t>(std::max<int64_t>(n, 0)) * sizeof(uint16_t));
+  return {widen8(tail), widen8(tail + 8)};
+}
+// The AVX-512 version's rounded_bits (same NaN argument).
+inline __m256i rounded_bits8(__m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  return _mm256_add_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(0x7FFF)), lsb);
+}
+inline __m256 round8(__m256 v) {
+  return _mm256_castsi256_ps(_mm256_and_si256(rounded_bits8(v), _mm256_set1_epi32(-65536)));
+}
+inline Vec vround(Vec v) { return {round8(v.lo), round8(v.hi)}; }
+inline void vstore(uint16_t* p, Vec v, int64_t n) {
+  // The high halves as 16-bit lanes; packus interleaves 128-bit lanes, the permute restores
+  // order. Every value fits 16 bits, so the unsigned saturation never bites.
+  const __m256i packed = _mm256_permute4x64_epi64(
+      _mm256_packus_epi32(_mm256_srli_epi32(rounded_bits8(v.lo), 16),
+                          _mm256_srli_epi32(rounded_bits8(v.hi), 16)),
+      0xD8);
+  if (n >= kLanes) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), packed);
+    return;
+  }
+  uint16_t tail[kLanes];
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(tail), packed);
+  std::memcpy(p, tail, static_cast<size_t>(std::max<int64_t>(n, 0)) * sizeof(uint16_t));
+}
+inline void vstore_f32(float* p, Vec v) {
+  _mm256_storeu_ps(p, v.lo);
+  _mm256_storeu_ps(p + 8, v.hi);
+}
+inline Vec operator+(Vec a, Vec b) {
+  return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)};
+}
+inline Vec operator-(Vec a, Vec b) {
+  return {_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)};
+}
+inline Vec operator*(Vec a, Vec b) {
+  return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)};
+}
+inline Vec operator/(Vec a, Vec b) {
+  return {_mm256_div_ps(a.lo, b.lo), _mm256_div_ps(a.hi, b.hi)};
+}
+inline Vec vneg(Vec a) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  return {_mm256_xor_ps(a.lo, sign), _mm256_xor_ps(a.hi, sign)};
+}
+
+// 2^e for integer e in [-126, 127], as fp32 bits.
+inline __m256 pow2i8(__m256i e) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(e, _mm256_set1_epi32(127)), 23));
+}
+// The AVX-512 vexp at 8 lanes; u * 2^q as SLEEF itself scales (vldexp2: two multiplies by
+// 2^(q >> 1) and 2^(q - (q >> 1))), which is Sleef_expf8_u10's own final step.
+inline __m256 exp8(__m256 x) {
+  const __m256 d = _mm256_min_ps(_mm256_set1_ps(100.0f), _mm256_max_ps(_mm256_set1_ps(-104.0f), x));
+  const __m256 q = _mm256_round_ps(_mm256_mul_ps(d, _mm256_set1_ps(kRLn2)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 s = _mm256_fmadd_ps(q, _mm256_set1_ps(-kL2U), d);
+  s = _mm256_fmadd_ps(q, _mm256_set1_ps(-kL2L), s);
+  __m256 u = _mm256_set1_ps(0.000198527617612853646278381f);
+  u = _mm256_fmadd_ps(u, s, _mm256_set1_ps(0.00139304355252534151077271f));
+  u = _mm256_fmadd_ps(u, s, _mm256_set1_ps(0.00833336077630519866943359f));
+  u = _mm256_fmadd_ps(u, s, _mm256_set1_ps(0.0416664853692054748535156f));
+  u = _mm256_fmadd_ps(u, s, _mm256_set1_ps(0.166666671633720397949219f));
+  u = _mm256_fmadd_ps(u, s, _mm256_set1_ps(0.5f));
+  u = _mm256_add_ps(_mm256_set1_ps(1.0f), _mm256_fmadd_ps(_mm256_mul_ps(s, s), u, s));
+  const __m256i qi = _mm256_cvtps_epi32(q);
+  const __m256i half = _mm256_srai_epi32(qi, 1);
+  return _mm256_mul_ps(_mm256_mul_ps(u, pow2i8(half)), pow2i8(_mm256_sub_epi32(qi, half)));
+}
+inline Vec vexp(Vec a) { return {exp8(a.lo), exp8(a.hi)}; }
 
 #else  // portable: plain arrays, auto-vectorised for whatever the target has
 
