@@ -88,6 +88,8 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 struct Vec {
   __m512 r;
 };
+// Vector registers in Vec units (32 zmm), for the passes' register budgets.
+constexpr int kVecRegisters = 32, kRegistersPerVec = 1;
 inline Vec vzero() { return {_mm512_setzero_ps()}; }
 inline Vec vset1(float x) { return {_mm512_set1_ps(x)}; }
 inline Vec vload(const float* p) { return {_mm512_loadu_ps(p)}; }
@@ -174,6 +176,8 @@ inline Vec fold(Vec a, Vec b) {
 struct Vec {
   __m256 lo, hi;
 };
+// Vector registers in Vec units (16 ymm, two per Vec), for the passes' register budgets.
+constexpr int kVecRegisters = 8, kRegistersPerVec = 2;
 inline Vec vzero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
 inline Vec vset1(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
 inline Vec vload(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
@@ -259,12 +263,17 @@ inline __m256 exp2_8(__m256 x) {
 inline Vec vexp2(Vec x) { return {exp2_8(x.lo), exp2_8(x.hi)}; }
 
 // The AVX-512 fold: lane j becomes a[j] + a[j ^ Off] where bit Off of j is clear, else
-// b[j] + b[j ^ Off]. Off 1, 2, 4 pair lanes inside a ymm; Off 8 pairs lo with hi.
+// b[j] + b[j ^ Off]. Off 1, 2, 4 pair lanes inside a ymm (each as one add of two rearranged
+// inputs: the same sums, so the same bits); Off 8 pairs lo with hi.
 template <int Off>
-inline __m256 swap_lanes(__m256 x) {
-  if constexpr (Off == 1) return _mm256_permute_ps(x, 0xB1);
-  if constexpr (Off == 2) return _mm256_permute_ps(x, 0x4E);
-  if constexpr (Off == 4) return _mm256_permute2f128_ps(x, x, 0x01);
+inline __m256 fold8(__m256 a, __m256 b) {
+  if constexpr (Off == 1) {  // hadd: a0+a1, a2+a3, b0+b1, b2+b3 per 128-bit half
+    return _mm256_permute_ps(_mm256_hadd_ps(a, b), 0xD8);
+  } else if constexpr (Off == 2) {
+    return _mm256_add_ps(_mm256_shuffle_ps(a, b, 0x44), _mm256_shuffle_ps(a, b, 0xEE));
+  } else {
+    return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+  }
 }
 template <int Off>
 inline Vec fold(Vec a, Vec b) {
@@ -272,12 +281,7 @@ inline Vec fold(Vec a, Vec b) {
   if constexpr (Off == 8) {
     return {_mm256_add_ps(a.lo, a.hi), _mm256_add_ps(b.hi, b.lo)};
   } else {
-    constexpr int kFromB = Off == 1 ? 0xAA : Off == 2 ? 0xCC : 0xF0;
-    const auto half = [](__m256 x, __m256 y) {
-      return _mm256_blend_ps(_mm256_add_ps(x, swap_lanes<Off>(x)),
-                             _mm256_add_ps(y, swap_lanes<Off>(y)), kFromB);
-    };
-    return {half(a.lo, b.lo), half(a.hi, b.hi)};
+    return {fold8<Off>(a.lo, b.lo), fold8<Off>(a.hi, b.hi)};
   }
 }
 
@@ -286,6 +290,8 @@ inline Vec fold(Vec a, Vec b) {
 struct Vec {
   float x[kLanes];
 };
+// The budgets as on AVX-512 (the compiler decides anyway).
+constexpr int kVecRegisters = 32, kRegistersPerVec = 1;
 inline Vec vset1(float v) {
   Vec r;
   for (int i = 0; i < kLanes; ++i) r.x[i] = v;
@@ -628,7 +634,9 @@ template <typename E, int NC, int NH, bool Pairs>
 void accumulate_span(RowShape<NC> rs, const float* p, int64_t p_stride, const E* v, int64_t n,
                      float* acc) {
   constexpr int kCap = RowShape<NC>::kCap;
-  constexpr int kSets = NH * kCap < 8 ? 2 : 1;
+  // Fewer than 8 independent FMA chains (vector registers) would leave the FMA latency
+  // exposed: then two sets alternate.
+  constexpr int kSets = NH * kCap * kRegistersPerVec < 8 ? 2 : 1;
   Vec a[kSets][NH][kCap];
   for (auto& set : a) {
     for (auto& head : set) {
@@ -672,7 +680,7 @@ void with_head_count(int nh, Kernel&& kernel) {
 template <typename E, int NC, bool Pairs>
 void score_heads(RowShape<NC> rs, const float* q, const E* k, int64_t n, int64_t group,
                  float* scores, int64_t padded, Prefetcher& pf) {
-  constexpr int kMaxHeads = std::max(1, (26 - RowShape<NC>::kCap) / 5);
+  constexpr int kMaxHeads = std::max(1, (kVecRegisters - 6 - RowShape<NC>::kCap) / 5);
   for (int64_t h0 = 0; h0 < group; h0 += kMaxHeads) {
     const int nh = static_cast<int>(std::min<int64_t>(kMaxHeads, group - h0));
     with_head_count<kMaxHeads>(nh, [&](auto heads) {
@@ -687,7 +695,7 @@ void score_heads(RowShape<NC> rs, const float* q, const E* k, int64_t n, int64_t
 template <typename E, int NC, bool Pairs>
 void accumulate_heads(RowShape<NC> rs, const float* p, int64_t padded, const E* v, int64_t n,
                       int64_t group, float* acc) {
-  constexpr int kMaxHeads = std::max(1, 24 / RowShape<NC>::kCap);
+  constexpr int kMaxHeads = std::max(1, (kVecRegisters - 8) / RowShape<NC>::kCap);
   for (int64_t h0 = 0; h0 < group; h0 += kMaxHeads) {
     const int nh = static_cast<int>(std::min<int64_t>(kMaxHeads, group - h0));
     with_head_count<kMaxHeads>(nh, [&](auto heads) {
