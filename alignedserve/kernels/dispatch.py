@@ -17,12 +17,12 @@ op                        amx                         avx512_bf16     avx2
 linears (``linear.py``)   AMX tiles, oneDNN above     AVX512-BF16     AVX2 FMA
                           1024 rows (LM head: 128)    (any rows)      (any rows)
 prefill attention         AMX                         AVX512-BF16     AVX2
-decode attention          AMX over tiled bf16         AVX512-BF16     AVX2 (portable)
+decode attention          AMX over tiled bf16         AVX512-BF16     AVX2 FMA
                           caches, AVX-512 FMA         over tiled bf16
                           otherwise                   caches, AVX-512
                                                       FMA otherwise
-norms, RoPE, SiLU·up,     AVX-512                     AVX-512         AVX2 (portable)
-argmax
+norms, RoPE, SiLU·up      AVX-512                     AVX-512         AVX2
+argmax                    AVX-512                     AVX-512         portable C++
 ========================  ==========================  ==============  =============
 
 On the AVX512-BF16 path SiLU·up is the epilogue of the gate_up linear (``swiglu``).
