@@ -78,6 +78,16 @@ constexpr int64_t kSpan = 2048;
 constexpr double kLog2e = 1.4426950408889634;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
+// Polynomial 2^f on f in [-0.5, 0.5] (the vector flavours' vexp2): Taylor coefficients of
+// e^(f ln2), degree 7; truncation error ~5e-9 relative, below fp32 rounding.
+constexpr float kLn2 = 0.6931471805599453f;
+constexpr float kC2 = kLn2 * kLn2 / 2;
+constexpr float kC3 = kC2 * kLn2 / 3;
+constexpr float kC4 = kC3 * kLn2 / 4;
+constexpr float kC5 = kC4 * kLn2 / 5;
+constexpr float kC6 = kC5 * kLn2 / 6;
+constexpr float kC7 = kC6 * kLn2 / 7;
+
 // ----------------------------------------------------------------------------------------------
 // 16-lane fp32 vector. AVX-512 when the compiler targets it, two ymm registers on AVX2 + FMA,
 // otherwise plain arrays for the compiler to vectorise as it can; the kernel is written only
@@ -120,16 +130,6 @@ inline Vec vmax(Vec a, Vec b) { return {_mm512_max_ps(a.r, b.r)}; }
 inline Vec vfma(Vec a, Vec b, Vec c) { return {_mm512_fmadd_ps(a.r, b.r, c.r)}; }
 inline float vsum(Vec a) { return _mm512_reduce_add_ps(a.r); }
 inline float vhmax(Vec a) { return _mm512_reduce_max_ps(a.r); }
-
-// Polynomial 2^f on f in [-0.5, 0.5]: Taylor coefficients of e^(f ln2), degree 7; truncation
-// error ~5e-9 relative, below fp32 rounding.
-constexpr float kLn2 = 0.6931471805599453f;
-constexpr float kC2 = kLn2 * kLn2 / 2;
-constexpr float kC3 = kC2 * kLn2 / 3;
-constexpr float kC4 = kC3 * kLn2 / 4;
-constexpr float kC5 = kC4 * kLn2 / 5;
-constexpr float kC6 = kC5 * kLn2 / 6;
-constexpr float kC7 = kC6 * kLn2 / 7;
 
 inline Vec vexp2(Vec x) {
   // Clamp first: -inf (padding lanes) would give inf - inf = NaN below; 2^-150 scales to 0.
@@ -229,14 +229,6 @@ inline float vhmax(Vec a) {
   m = _mm_max_ps(m, _mm_movehl_ps(m, m));
   return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
 }
-
-constexpr float kLn2 = 0.6931471805599453f;
-constexpr float kC2 = kLn2 * kLn2 / 2;
-constexpr float kC3 = kC2 * kLn2 / 3;
-constexpr float kC4 = kC3 * kLn2 / 4;
-constexpr float kC5 = kC4 * kLn2 / 5;
-constexpr float kC6 = kC5 * kLn2 / 6;
-constexpr float kC7 = kC6 * kLn2 / 7;
 
 // The AVX-512 version's 2^x, with scalef's p * 2^n done as two multiplies by built powers of
 // two (n in [-150, 128] splits into halves that are normal exponents; the first product is
