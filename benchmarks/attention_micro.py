@@ -8,10 +8,13 @@ repeatedly (~6 MB in bf16: stays in cache), i.e. the kernel's arithmetic rate.
     python benchmarks/attention_micro.py [--dtypes bfloat16 float8_e5m2] [--threads 2] [--tiled]
         [--path amx|avx512_bf16|avx2|reference]
     python benchmarks/attention_micro.py --huge-pages-ab [--length 640]
+    python benchmarks/attention_micro.py --layout-ab [--length 640]
 
 --huge-pages-ab times 30 layers over 64 bf16 tiled rows of one length with the caches on huge
 pages (alignedserve.huge_pages, as the engine allocates them) and on torch's 4 KiB pages,
-alternating in one process so that the machine's drift hits both alike.
+alternating in one process so that the machine's drift hits both alike. --layout-ab times the
+path's tiled and token-major bf16 kernels the same way, over the same huge-page caches (the
+bytes are the same; only how the kernel reads them differs).
 """
 
 from __future__ import annotations
@@ -70,11 +73,13 @@ def main() -> None:
     parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float8_e5m2"])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--tiled", action="store_true",
-                        help="bf16 caches in the AMX tile layout (alignedserve.kernels.kv_layout)")
+                        help="bf16 caches in the tiled layout (alignedserve.kernels.kv_layout)")
     parser.add_argument("--path", choices=PATHS, default=None,
                         help="kernel path (default: $ALIGNEDSERVE_ISA, else the CPU's best)")
     parser.add_argument("--huge-pages-ab", action="store_true",
                         help="huge-page vs 4 KiB caches, alternating (bf16, tiled)")
+    parser.add_argument("--layout-ab", action="store_true",
+                        help="tiled vs token-major bf16 kernel, alternating (huge pages)")
     parser.add_argument("--length", type=int, default=640, help="tokens per row (A/B only)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -82,6 +87,9 @@ def main() -> None:
     print(f"kernel path: {kernels.path}")
     if args.huge_pages_ab:
         huge_pages_ab(kernels, args.length)
+        return
+    if args.layout_ab:
+        layout_ab(kernels, args.length)
         return
     rng = random.Random(0)
     varied = [int(math.exp(rng.uniform(math.log(64), math.log(3072)))) + 128 for _ in range(64)]
@@ -108,6 +116,23 @@ def huge_pages_ab(kernels, length: int, rounds: int = 20) -> None:
             total[name] += run(kernels, torch.bfloat16, lengths, LAYERS, 1, True, caches[name])
     for name, seconds in total.items():
         print(f"{name}: {seconds / rounds * 1e3:.1f} ms per 30 layers x 64 rows of {length} tokens")
+
+
+def layout_ab(kernels, length: int, rounds: int = 20) -> None:
+    if not huge_pages_supported():
+        raise SystemExit("huge pages are unavailable here (or ALIGNEDSERVE_HUGE_PAGES=0)")
+    lengths = [length] * 64
+    caches = make_caches(torch.bfloat16, lengths, LAYERS, HugePageArena())
+    times: dict[str, list[float]] = {"tiled": [], "token-major": []}
+    for r in range(rounds):
+        for name in (list(times) if r % 2 else reversed(list(times))):
+            times[name].append(run(kernels, torch.bfloat16, lengths, LAYERS, 1,
+                                   name == "tiled", caches))
+    nbytes = LAYERS * len(lengths) * length * KV_HEADS * 2 * DIM * 2
+    for name, seconds in times.items():
+        median = sorted(seconds)[rounds // 2]
+        print(f"{name}: median {median * 1e3:.1f} ms per 30 layers x 64 rows of {length} "
+              f"tokens ({nbytes / median / 1e9:.1f} GB/s), best {min(seconds) * 1e3:.1f} ms")
 
 
 if __name__ == "__main__":

@@ -1,10 +1,10 @@
 """The tiled bf16 KV layout (alignedserve.kernels.kv_layout) and the kernels that read it.
 
 The layout helpers are pure PyTorch and always tested; the compiled writer on every compiled
-path. The tiled decode kernel runs on the paths that read tiled caches (amx: tile products;
-avx512_bf16: vdpbf16ps), each skipped, saying why, on CPUs without it (the avx2 path keeps
-caches token-major). The prefill kernel reads the tiled planes itself on amx; on avx512_bf16
-the kernel layer hands it a token-major copy.
+path. The tiled decode kernel runs on every compiled path (amx: tile products; avx512_bf16:
+vdpbf16ps; avx2: fp32 FMA), each skipped, saying why, on CPUs without it. The prefill kernel
+reads the tiled planes itself on amx and avx512_bf16; on avx2 the kernel layer hands it a
+token-major copy.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def test_element_offsets_are_the_documented_ones():
             assert flat[offset(t, d)] == tokens[0, t, d]
 
 
-TILED_PATHS = ("amx", "avx512_bf16")
+TILED_PATHS = ("amx", "avx512_bf16", "avx2")
 
 
 @pytest.fixture(scope="module", params=kernel_path_params(TILED_PATHS))
@@ -89,15 +89,16 @@ def test_compiled_writer_matches_layout(compiled: Kernels):
         assert torch.equal(cache.view(torch.int16), expect.view(torch.int16)), (start, count)
 
 
-def tiled_rows(lengths: list[int], gen: torch.Generator) -> list[torch.Tensor]:
+def tiled_rows(lengths: list[int], gen: torch.Generator,
+               kv_heads: int = KV_HEADS) -> list[torch.Tensor]:
     """Tiled caches whose slots from position length-1 on hold NaN (read one: NaN output)."""
     caches = []
     for i, n in enumerate(lengths):
-        cache = random_bf16(LAYERS, 2, KV_HEADS, kv_layout.round_up(n + 3 * i), DIM, gen=gen)
+        cache = random_bf16(LAYERS, 2, kv_heads, kv_layout.round_up(n + 3 * i), DIM, gen=gen)
         for layer in range(LAYERS):
             for j, shape in enumerate((kv_layout.KEYS, kv_layout.VALUES)):
                 plane = cache[layer, j]
-                tail = torch.full((KV_HEADS, plane.shape[1] - n + 1, DIM), float("nan"))
+                tail = torch.full((kv_heads, plane.shape[1] - n + 1, DIM), float("nan"))
                 kv_layout.write(plane, n - 1, tail, shape)
         caches.append(cache)
     return caches
@@ -110,13 +111,23 @@ LENGTH_SETS = [[1], [2, 15, 16, 17], [31, 32, 33, 64, 300], [2049, 5000, 17], [1
 
 @pytest.mark.parametrize("lengths", LENGTH_SETS)
 def test_tiled_decode_matches_reference(ext, lengths):
-    gen = torch.Generator().manual_seed(len(lengths))
-    caches = tiled_rows(lengths, gen)
+    check_tiled_decode(ext, lengths, HEADS, KV_HEADS)
+
+
+# GQA groups of one head up to 16 (the kernels take heads in register-sized chunks).
+@pytest.mark.parametrize("heads,kv_heads", [(2, 2), (8, 2), (7, 1), (12, 1), (16, 1)])
+def test_tiled_decode_takes_every_group_size(ext, heads, kv_heads):
+    check_tiled_decode(ext, [1, 31, 2100], heads, kv_heads)
+
+
+def check_tiled_decode(ext, lengths: list[int], heads: int, kv_heads: int) -> None:
+    gen = torch.Generator().manual_seed(len(lengths) + heads)
+    caches = tiled_rows(lengths, gen, kv_heads)
     expect_caches = [c.clone() for c in caches]
     rows = len(lengths)
-    q = (torch.randn(rows, HEADS, DIM, generator=gen) * 2).to(torch.bfloat16)
-    k_new = random_bf16(rows, KV_HEADS, DIM, gen=gen)
-    v_new = random_bf16(rows, KV_HEADS, DIM, gen=gen)
+    q = (torch.randn(rows, heads, DIM, generator=gen) * 2).to(torch.bfloat16)
+    k_new = random_bf16(rows, kv_heads, DIM, gen=gen)
+    v_new = random_bf16(rows, kv_heads, DIM, gen=gen)
     pos = torch.tensor([n - 1 for n in lengths])
     out = ext.decode_attention(q, k_new, v_new, caches, pos, 1, DIM ** -0.5, True)
     expect = decode_attention_reference(q, k_new, v_new, expect_caches, pos, 1, DIM ** -0.5,

@@ -53,8 +53,8 @@ def add_engine_args(parser: argparse.ArgumentParser, preallocate_kv: bool = Fals
     g.add_argument("--max-inflight", type=int, default=4096,
                    help="aligned: requests in flight at once (KV in device or host tier)")
     g.add_argument("--no-tiled-kv", dest="tiled_kv", action="store_false",
-                   help="keep bf16 KV caches token-major (default: bf16-pair blocks where the "
-                        "kernel path is amx or avx512_bf16 and head_dim is 64)")
+                   help="keep bf16 KV caches token-major (default: bf16-pair blocks where a "
+                        "compiled kernel path runs and head_dim is 64)")
     g.add_argument("--preallocate-kv", action=argparse.BooleanOptionalAction,
                    default=preallocate_kv,
                    help="fault in the device KV budget at start-up (CPU; at most half the free "

@@ -18,8 +18,8 @@ linears (``linear.py``)   AMX tiles, oneDNN above     AVX512-BF16     AVX2 FMA
                           1024 rows (LM head: 128)    (any rows)      (any rows)
 prefill attention         AMX                         AVX512-BF16     AVX2
 decode attention          AMX over tiled bf16         AVX512-BF16     AVX2 FMA
-                          caches, AVX-512 FMA         over tiled bf16
-                          otherwise                   caches, AVX-512
+                          caches, AVX-512 FMA         over tiled bf16 (tiled bf16
+                          otherwise                   caches, AVX-512 caches too)
                                                       FMA otherwise
 norms, RoPE, SiLU·up      AVX-512                     AVX-512         AVX2
 argmax                    AVX-512                     AVX-512         portable C++
@@ -157,10 +157,11 @@ class Kernels:
 
     def tiled_kv_applies(self, dtype: torch.dtype, head_dim: int, granularity: int,
                          device: torch.device) -> bool:
-        """Whether KV caches of this kind use ``kv_layout``'s tiled layout: the AMX and
-        AVX512-BF16 paths (their decode kernels take pairs of bf16 straight from it), bf16 on
-        CPU, head_dim 64, capacities in multiples of 16."""
-        return ((self.amx or self.avx512_bf16) and dtype == _BF16 and head_dim == 64
+        """Whether KV caches of this kind use ``kv_layout``'s tiled layout: every compiled
+        path (the decode kernels take pairs of bf16 straight from it: into AMX tiles, into
+        ``vdpbf16ps``, or widened for fp32 FMA with no horizontal sums), bf16 on CPU, head_dim
+        64, capacities in multiples of 16."""
+        return (self.ext is not None and dtype == _BF16 and head_dim == 64
                 and device.type == "cpu"
                 and granularity % CAPACITY_MULTIPLE == 0)
 

@@ -1,4 +1,4 @@
-"""The tiled layout of bf16 KV caches, read by the AMX and AVX512-BF16 decode kernels.
+"""The tiled layout of bf16 KV caches, read by the decode kernels of every compiled path.
 
 A tiled cache keeps the shape ``[layers, 2, kv_heads, capacity, head_dim]`` (capacity a
 multiple of 16); only the order of the elements inside each kv head's ``[capacity, head_dim]``
@@ -8,7 +8,8 @@ plane changes, and only within small token blocks:
 * **V** (index 1): pairs of tokens, each stored ``[head_dim][2 tokens]``.
 
 Pairs of the summed dimension sit side by side, as both bf16 product instructions take them
-(AMX's tile product, where these are its "B" operands, and AVX512-BF16's ``vdpbf16ps``), so the
+(AMX's tile product, where these are its "B" operands, and AVX512-BF16's ``vdpbf16ps``; on AVX2
+a shift and a mask split a pair into two fp32 vectors of one dimension each), so the
 decode kernel (``alignedserve/kernels/csrc/attention.cpp``) streams K blocks and V pairs from the
 cache straight into the products: 16 tokens of a head's scores come out together, with no
 reshuffling per step. Whole blocks stay where the token-major layout has them, so slicing a

@@ -12,8 +12,9 @@
 //   For every row b the new K/V land at cache[b][layer, 0/1, :, pos[b]], then query head h
 //   attends over positions 0..pos[b] of kv head h / (heads / kv_heads), in fp32 arithmetic.
 //   tiled = true: bf16 caches in the tile layout of alignedserve/kernels/kv_layout.py
-//   (capacity % 16 == 0, head_dim 64), read with AMX tiles or AVX512-BF16 dot products
-//   (further down); q and the probabilities are then rounded to bf16 for the products.
+//   (capacity % 16 == 0, head_dim 64), read with AMX tiles, AVX512-BF16 dot products or, on
+//   AVX2, fp32 FMA (further down); q is rounded to bf16, and for the bf16 products so are the
+//   probabilities.
 //
 // Work decomposition: one work item is (row, kv head, token span). All query heads of a GQA
 // group are handled by the same item so each K/V row is read from memory once. Items are
@@ -391,6 +392,14 @@ inline uint16_t to_bf16(float f) {
   uint32_t u;
   std::memcpy(&u, &f, sizeof u);
   return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+// bf16 -> fp32 (exact).
+inline float from_bf16(uint16_t b) {
+  const uint32_t u = uint32_t{b} << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
 }
 
 // Everything the workers read. Immutable during the parallel region except through the
@@ -877,7 +886,7 @@ void run_items(const Problem& P, const Plan& plan) {
 // plane keeps K in 16-token blocks stored [32 dim pairs][16 tokens][2] and V in token pairs
 // stored [64 dims][2 tokens]: pairs of the summed dimension side by side, which is what both
 // bf16 product instructions take, so K blocks and V pairs stream from the cache with no
-// reshuffling per step. Two implementations of the same three passes:
+// reshuffling per step. Three implementations of the same three passes:
 //   * AMX tiles (AMX-BF16 CPUs):
 //       scores  S = Q . K^T : A = the group's query rows (G x 32 dims, bf16), B = one K block
 //               half (16 dim pairs x 16 tokens); one C tile row holds one head's 16 scores;
@@ -889,16 +898,44 @@ void run_items(const Problem& P, const Plan& plan) {
 //     many instructions on its transpose-and-add folds as on its products, plus the widening);
 //     one V pair is four vectors of 16 (dim, token pair) lanes, multiplied by the broadcast
 //     pair of probabilities. Used where AMX is not (built for AVX512-BF16, or not granted).
+//   * fp32 FMA (AVX2 builds, which have no bf16 product): the same walk, each block row or V
+//     chunk widened into the pair's two halves (a shift and a mask), each half multiplied by
+//     one broadcast q value or probability; q and P stay fp32.
 // The softmax between the products (fp32, log2 domain) is vector code over each head's score
-// row; q and P are rounded to bf16 for the products, as the prefill kernels and torch's CPU
-// flash attention do. Short rows gain less: each item then starts cold streams, and its fixed
-// costs (three passes, the V tail) weigh more.
+// row; with AMX and AVX512-BF16, q and P are rounded to bf16 for the products, as the prefill
+// kernels and torch's CPU flash attention do. Short rows gain less: each item then starts cold
+// streams, and its fixed costs (three passes, the V tail) weigh more.
 // ----------------------------------------------------------------------------------------------
-#if defined(__AVX512BF16__)
-
 constexpr int64_t kTiledDim = 64;   // head_dim of the tiled layout (two 32-dim tiles)
 constexpr int64_t kKeyBlock = 16;   // tokens per K block: one score tile / vector
 constexpr int64_t kPairBlock = 32;  // tokens per P.V round (a tile's pair depth)
+
+// One thread's share of a tiled call: it pulls the next-longest item until none are left (as
+// run_items), and hands `run(item, scores_pf, values_pf)` two prefetchers, each measured faster
+// on huge-page caches (alternating runs, docs/results/): the item's own V during its score
+// blocks (as for token-major bf16), the next item's whole K during its value rounds of
+// kPairBlock tokens. (On 4 KiB pages, asking for the next K, or for the next round's lines
+// into L1, had measured no gain.)
+template <typename RunItem>
+void pull_tiled_items(const Problem& P, const Plan& plan, std::atomic<int64_t>& next,
+                      RunItem&& run) {
+  const auto n_items = static_cast<int64_t>(plan.items.size());
+  for (int64_t i = next.fetch_add(1); i < n_items;) {
+    const Item& it = plan.items[i];
+    const int64_t following = next.fetch_add(1);
+    Prefetcher scores_pf = prefetch_for<uint16_t>(P, it, nullptr);
+    Prefetcher values_pf;
+    if (following < n_items) {  // never longer than `it`: items are sorted longest first
+      const Item& nx = plan.items[following];
+      values_pf.add(item_rows<uint16_t>(P, nx).first, (nx.end - nx.begin) * kTiledDim * 2,
+                    (it.end - it.begin + kPairBlock - 1) / kPairBlock);
+    }
+    run(it, scores_pf, values_pf);
+    i = following;
+  }
+}
+
+#if defined(__AVX512BF16__)
 
 // Per-thread buffers, 64-byte aligned, sized for the longest span.
 struct TiledScratch {
@@ -1190,39 +1227,151 @@ void run_item_tiled(const Problem& P, const Item& it, TiledScratch& s, Prefetche
   finish_item(P, it, s.acc, s.mx, s.sum);
 }
 
-// Prefetch, each measured faster on huge-page caches (alternating runs, docs/results/): the
-// item's own V during its score rounds (as for token-major bf16); the next item's whole K
-// during the value rounds. (On 4 KiB pages, asking for the next K, or for the next round's
-// lines into L1, had measured no gain.) kAmx: tile products (needs amx::available()).
+// kAmx: tile products (needs amx::available()).
 template <bool kAmx>
 void run_items_tiled(const Problem& P, const Plan& plan) {
   std::atomic<int64_t> next{0};
-  const auto n_items = static_cast<int64_t>(plan.items.size());
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
 #ifdef ALIGNEDSERVE_AMX
     if constexpr (kAmx) configure_tiled_tiles(P.group);
 #endif
     TiledScratch scratch(P.group, plan.max_span);
-    for (int64_t i = next.fetch_add(1); i < n_items;) {
-      const Item& it = plan.items[i];
-      const int64_t following = next.fetch_add(1);
-      Prefetcher scores_pf = prefetch_for<uint16_t>(P, it, nullptr);
-      Prefetcher values_pf;
-      if (following < n_items) {  // never longer than `it`: items are sorted longest first
-        const Item& nx = plan.items[following];
-        values_pf.add(item_rows<uint16_t>(P, nx).first, (nx.end - nx.begin) * kTiledDim * 2,
-                      (it.end - it.begin + kPairBlock - 1) / kPairBlock);
-      }
+    pull_tiled_items(P, plan, next, [&](const Item& it, Prefetcher& scores_pf,
+                                        Prefetcher& values_pf) {
       run_item_tiled<kAmx>(P, it, scratch, scores_pf, values_pf);
-      i = following;
-    }
+    });
 #ifdef ALIGNEDSERVE_AMX
     if constexpr (kAmx) _tile_release();
 #endif
   });
 }
 
-#endif  // __AVX512BF16__
+#else  // no bf16 product instruction (AVX2 builds): fp32 FMA over the same blocks
+
+// Per-head accumulators a pass keeps in registers once its two widened rows and a broadcast
+// are live (AVX2: five of the eight two-register vectors).
+constexpr int kFmaHeads = std::min(8, kVecRegisters - 3);
+
+// Scores of NH heads over one 16-token K block: lane t of head h is the sum over dim pairs j
+// of q[h][2j] K[t][2j] + q[h][2j+1] K[t][2j+1]. Row j of the block widens into dim 2j of the
+// 16 tokens and dim 2j+1 (vload_pairs), each multiplied by one broadcast q value: a head's 16
+// scores with no horizontal sums. q: NH rows of 64, pre-scaled (log2 domain).
+template <int NH>
+inline void fma_score_block(const float* q, const uint16_t* kb, float* scores, int64_t padded) {
+  Vec acc[NH];
+  for (Vec& a : acc) a = vzero();
+  for (int j = 0; j < kTiledDim / 2; ++j) {
+    Vec even, odd;
+    vload_pairs(kb + j * 2 * kKeyBlock, even, odd);
+    for (int h = 0; h < NH; ++h) {
+      acc[h] = vfma(even, vset1(q[h * kTiledDim + 2 * j]), acc[h]);
+      acc[h] = vfma(odd, vset1(q[h * kTiledDim + 2 * j + 1]), acc[h]);
+    }
+  }
+  for (int h = 0; h < NH; ++h) vstore(scores + h * padded, acc[h]);
+}
+
+// Pass 1: scores of the span's `padded` / 16 K blocks into scores[h * padded + t]. A partial
+// last block is read in place (as on the AMX path, see tiled_scores); the caller masks the
+// columns past the span.
+void fma_scores(const float* q, const uint16_t* k, int64_t padded, int64_t group,
+                float* scores, Prefetcher& pf) {
+  for (int64_t h0 = 0; h0 < group; h0 += kFmaHeads) {
+    const int nh = static_cast<int>(std::min<int64_t>(kFmaHeads, group - h0));
+    with_head_count<kFmaHeads>(nh, [&](auto heads) {
+      for (int64_t t = 0; t < padded; t += kKeyBlock) {
+        if (h0 == 0) pf.step();
+        fma_score_block<decltype(heads)::value>(q + h0 * kTiledDim, k + t * kTiledDim,
+                                                scores + h0 * padded + t, padded);
+      }
+    });
+  }
+}
+
+// Adds p . V over the span's n tokens to NH heads' dims [16 c0, 16 (c0 + NC)) of acc
+// ([NH][64]). A V pair widens, per 16-dim chunk, into its first and its second token's values
+// (vload_pairs), each multiplied by that token's broadcast probability. When n is odd the last
+// pair's second slot is left out: it may hold anything, even NaN bits (0 * NaN is NaN).
+template <int NH, int NC>
+void fma_value_chunks(const float* p, int64_t p_stride, const uint16_t* v, int64_t n, int c0,
+                      float* acc, Prefetcher* pf) {
+  Vec sums[NH][NC];
+  for (auto& head : sums) {
+    for (Vec& a : head) a = vzero();
+  }
+  const auto add_pair = [&](int64_t i, bool both) {
+    const uint16_t* vp = v + i * 2 * kTiledDim + c0 * 2 * kLanes;
+    for (int c = 0; c < NC; ++c) {
+      Vec first, second;
+      vload_pairs(vp + c * 2 * kLanes, first, second);
+      for (int h = 0; h < NH; ++h) {
+        sums[h][c] = vfma(first, vset1(p[h * p_stride + 2 * i]), sums[h][c]);
+        if (both) sums[h][c] = vfma(second, vset1(p[h * p_stride + 2 * i + 1]), sums[h][c]);
+      }
+    }
+  };
+  for (int64_t i = 0; i < n / 2; ++i) {
+    if (pf != nullptr && i % (kPairBlock / 2) == 0) pf->step();
+    add_pair(i, true);
+  }
+  if (n % 2) add_pair(n / 2, false);
+  for (int h = 0; h < NH; ++h) {
+    for (int c = 0; c < NC; ++c) vstore(acc + h * kTiledDim + (c0 + c) * kLanes, sums[h][c]);
+  }
+}
+
+// Pass 3: acc[h][d] = sum_t p[h][t] v[t][d]. Heads go in chunks of up to kFmaHeads, each chunk
+// in as many passes over the span as its accumulators need (with three heads on AVX2: four
+// passes of 16 dims, each reading a quarter of every pair, so no byte is read twice).
+void fma_values(const float* p, int64_t padded, const uint16_t* v, int64_t n, int64_t group,
+                float* acc, Prefetcher& pf) {
+  constexpr int kChunks = kTiledDim / kLanes;
+  for (int64_t h0 = 0; h0 < group; h0 += kFmaHeads) {
+    const int nh = static_cast<int>(std::min<int64_t>(kFmaHeads, group - h0));
+    with_head_count<kFmaHeads>(nh, [&](auto heads) {
+      constexpr int NH = decltype(heads)::value;
+      constexpr int per_head = kFmaHeads / NH;
+      constexpr int NC = per_head >= kChunks ? kChunks : per_head >= 2 ? 2 : 1;
+      for (int c0 = 0; c0 < kChunks; c0 += NC) {
+        fma_value_chunks<NH, NC>(p + h0 * padded, padded, v, n, c0, acc + h0 * kTiledDim,
+                                 h0 == 0 && c0 == 0 ? &pf : nullptr);
+      }
+    });
+  }
+}
+
+// One item: q widened and pre-scaled into the log2 domain, then the token-major kernel's
+// softmax (exponentiate) between the two products; P stays fp32.
+void run_item_tiled_fma(const Problem& P, const Item& it, Scratch& s, Prefetcher& scores_pf,
+                        Prefetcher& values_pf) {
+  const int64_t n = it.end - it.begin, group = P.group;
+  const int64_t padded = (n + kKeyBlock - 1) / kKeyBlock * kKeyBlock;
+  append_if_last<true>(P, it);
+  const auto [k, v] = item_rows<uint16_t>(P, it);  // spans start at whole K blocks (kSpan)
+  const uint16_t* qb = P.q_bf16 + it.row * P.q_row + it.kv_head * group * kTiledDim;
+  for (int64_t i = 0; i < group * kTiledDim; ++i) s.q[i] = from_bf16(qb[i]) * P.qscale;
+  fma_scores(s.q.data(), k, padded, group, s.scores.data(), scores_pf);
+  for (int64_t h = 0; h < group; ++h) {  // columns past the span take no softmax weight
+    float* row = s.scores.data() + h * padded;
+    std::fill(row + n, row + padded, kNegInf);
+    std::tie(s.mx[h], s.sum[h]) = exponentiate(row, padded);
+  }
+  fma_values(s.scores.data(), padded, v, n, group, s.acc.data(), values_pf);
+  finish_item(P, it, s.acc.data(), s.mx.data(), s.sum.data());
+}
+
+void run_items_tiled_fma(const Problem& P, const Plan& plan) {
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    Scratch scratch(P.group, kTiledDim, plan.max_span);
+    pull_tiled_items(P, plan, next, [&](const Item& it, Prefetcher& scores_pf,
+                                        Prefetcher& values_pf) {
+      run_item_tiled_fma(P, it, scratch, scores_pf, values_pf);
+    });
+  });
+}
+
+#endif  // __AVX512BF16__ (else: FMA)
 
 
 // Compile-time vector counts for the common head dims let the compiler keep q and the
@@ -1369,16 +1518,6 @@ void check_cache(const at::Tensor& c, at::ScalarType dtype, int64_t kv_heads, in
                      c.size(3));
 }
 
-// Whether this build reads tiled caches: with AMX tiles where the OS grants them, else with
-// AVX512-BF16 dot products.
-constexpr bool tiled_kernel_built() {
-#if defined(__AVX512BF16__)
-  return true;
-#else
-  return false;
-#endif
-}
-
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_new,
                             const at::Tensor& v_new, const std::vector<at::Tensor>& caches,
                             const at::Tensor& positions, int64_t layer, double scale,
@@ -1391,8 +1530,6 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_new,
                          dtype == at::kFloat8_e5m2,
                      "caches must be bfloat16, float32 or float8_e5m2");
   if (tiled) {
-    ALIGNEDSERVE_CHECK(tiled_kernel_built(), "tiled caches need AVX512-BF16 or AMX-BF16; this "
-                       "build has neither");
     ALIGNEDSERVE_CHECK(dtype == at::kBFloat16 && dim == 64 && scale > 0 &&
                            heads / kv_heads <= 16,
                        "tiled caches are bf16 with head_dim 64, at most 16 heads per kv head");
@@ -1458,6 +1595,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_new,
     } else {
       run_items_tiled<false>(P, plan);
     }
+#else
+    run_items_tiled_fma(P, plan);
 #endif
   } else if (dtype == at::kFloat) {
     run_for_dim<float>(P, plan);
