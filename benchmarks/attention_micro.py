@@ -20,9 +20,11 @@ bytes are the same; only how the kernel reads them differs).
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import random
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -104,30 +106,40 @@ def main() -> None:
               f"hot {8000 * KV_HEADS / hot / 1e6:.0f} M (token, kv head)/s")
 
 
-def huge_pages_ab(kernels, length: int, rounds: int = 20) -> None:
+def alternate(runs: dict[str, Callable[[], float]], rounds: int) -> dict[str, list[float]]:
+    """Each run's seconds over ``rounds`` rounds, the order flipped every round so that the
+    machine's drift hits every run alike."""
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for r in range(rounds):
+        for name in (list(runs) if r % 2 else reversed(list(runs))):
+            times[name].append(runs[name]())
+    return times
+
+
+def require_huge_pages() -> None:
     if not huge_pages_supported():
         raise SystemExit("huge pages are unavailable here (or ALIGNEDSERVE_HUGE_PAGES=0)")
+
+
+def huge_pages_ab(kernels, length: int, rounds: int = 20) -> None:
+    require_huge_pages()
     lengths = [length] * 64
     caches = {"huge pages": make_caches(torch.bfloat16, lengths, LAYERS, HugePageArena()),
               "4 KiB pages": make_caches(torch.bfloat16, lengths, LAYERS)}
-    total = dict.fromkeys(caches, 0.0)
-    for r in range(rounds):
-        for name in (list(caches) if r % 2 else reversed(list(caches))):
-            total[name] += run(kernels, torch.bfloat16, lengths, LAYERS, 1, True, caches[name])
-    for name, seconds in total.items():
-        print(f"{name}: {seconds / rounds * 1e3:.1f} ms per 30 layers x 64 rows of {length} tokens")
+    times = alternate({name: functools.partial(run, kernels, torch.bfloat16, lengths, LAYERS, 1,
+                                               True, c) for name, c in caches.items()}, rounds)
+    for name, seconds in times.items():
+        print(f"{name}: {sum(seconds) / rounds * 1e3:.1f} ms per 30 layers x 64 rows of "
+              f"{length} tokens")
 
 
 def layout_ab(kernels, length: int, rounds: int = 20) -> None:
-    if not huge_pages_supported():
-        raise SystemExit("huge pages are unavailable here (or ALIGNEDSERVE_HUGE_PAGES=0)")
+    require_huge_pages()
     lengths = [length] * 64
     caches = make_caches(torch.bfloat16, lengths, LAYERS, HugePageArena())
-    times: dict[str, list[float]] = {"tiled": [], "token-major": []}
-    for r in range(rounds):
-        for name in (list(times) if r % 2 else reversed(list(times))):
-            times[name].append(run(kernels, torch.bfloat16, lengths, LAYERS, 1,
-                                   name == "tiled", caches))
+    times = alternate({name: functools.partial(run, kernels, torch.bfloat16, lengths, LAYERS, 1,
+                                               tiled, caches)
+                       for name, tiled in (("tiled", True), ("token-major", False))}, rounds)
     nbytes = LAYERS * len(lengths) * length * KV_HEADS * 2 * DIM * 2
     for name, seconds in times.items():
         median = sorted(seconds)[rounds // 2]

@@ -89,6 +89,14 @@ constexpr float kC5 = kC4 * kLn2 / 5;
 constexpr float kC6 = kC5 * kLn2 / 6;
 constexpr float kC7 = kC6 * kLn2 / 7;
 
+// bf16 -> fp32 (exact).
+inline float from_bf16(uint16_t b) {
+  const uint32_t u = uint32_t{b} << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
 // ----------------------------------------------------------------------------------------------
 // 16-lane fp32 vector. AVX-512 when the compiler targets it, two ymm registers on AVX2 + FMA,
 // otherwise plain arrays for the compiler to vectorise as it can; the kernel is written only
@@ -296,15 +304,9 @@ inline Vec vload(const float* p) {
   std::memcpy(r.x, p, sizeof r.x);
   return r;
 }
-inline float bf16_to_float(uint16_t b) {
-  const uint32_t bits = static_cast<uint32_t>(b) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
 inline Vec vload(const uint16_t* p) {
   Vec r;
-  for (int i = 0; i < kLanes; ++i) r.x[i] = bf16_to_float(p[i]);
+  for (int i = 0; i < kLanes; ++i) r.x[i] = from_bf16(p[i]);
   return r;
 }
 // fp8 e5m2 -> fp32 through the fp16 it is the high byte of (exact; table built once).
@@ -334,8 +336,8 @@ inline Vec vload(const uint8_t* p) {
 }
 inline void vload_pairs(const uint16_t* p, Vec& even, Vec& odd) {
   for (int i = 0; i < kLanes; ++i) {
-    even.x[i] = bf16_to_float(p[2 * i]);
-    odd.x[i] = bf16_to_float(p[2 * i + 1]);
+    even.x[i] = from_bf16(p[2 * i]);
+    odd.x[i] = from_bf16(p[2 * i + 1]);
   }
 }
 inline void vstore(float* p, Vec v) { std::memcpy(p, v.x, sizeof v.x); }
@@ -392,14 +394,6 @@ inline uint16_t to_bf16(float f) {
   uint32_t u;
   std::memcpy(&u, &f, sizeof u);
   return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
-
-// bf16 -> fp32 (exact).
-inline float from_bf16(uint16_t b) {
-  const uint32_t u = uint32_t{b} << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
 }
 
 // Everything the workers read. Immutable during the parallel region except through the
@@ -721,6 +715,17 @@ inline std::pair<float, float> exponentiate(float* s, int64_t padded) {
   return {mx, vsum(sum)};
 }
 
+// Pass 2 for a group: each head's score row (s.scores, `padded` apart) becomes its softmax
+// numerators, the lanes from n on (padding, or tokens past the span) taking no weight; the
+// row maxima and sums go to s.mx / s.sum.
+inline void softmax_rows(Scratch& s, int64_t group, int64_t n, int64_t padded) {
+  for (int64_t h = 0; h < group; ++h) {
+    float* row = s.scores.data() + h * padded;
+    std::fill(row + n, row + padded, kNegInf);
+    std::tie(s.mx[h], s.sum[h]) = exponentiate(row, padded);
+  }
+}
+
 // ----------------------------------------------------------------------------------------------
 // One work item
 // ----------------------------------------------------------------------------------------------
@@ -799,11 +804,7 @@ void run_item(const Problem& P, const Item& it, Scratch& s, Prefetcher& pf) {
   const int64_t n = it.end - it.begin;
   const int64_t padded = (n + kLanes - 1) / kLanes * kLanes;
   score_heads<E, NC, Pairs>(rs, s.q.data(), k, n, group, s.scores.data(), padded, pf);
-  for (int64_t h = 0; h < group; ++h) {  // padding lanes must take no softmax weight
-    float* row = s.scores.data() + h * padded;
-    std::fill(row + n, row + padded, kNegInf);
-    std::tie(s.mx[h], s.sum[h]) = exponentiate(row, padded);
-  }
+  softmax_rows(s, group, n, padded);
   accumulate_heads<E, NC, Pairs>(rs, s.scores.data(), padded, v, n, group, s.acc.data());
   to_block_layout<Pairs>(s.acc.data(), group, dim, 1.0f, s.acc_out.data(), true);
   finish_item(P, it, s.acc_out.data(), s.mx.data(), s.sum.data());
@@ -1351,11 +1352,7 @@ void run_item_tiled_fma(const Problem& P, const Item& it, Scratch& s, Prefetcher
   const uint16_t* qb = P.q_bf16 + it.row * P.q_row + it.kv_head * group * kTiledDim;
   for (int64_t i = 0; i < group * kTiledDim; ++i) s.q[i] = from_bf16(qb[i]) * P.qscale;
   fma_scores(s.q.data(), k, padded, group, s.scores.data(), scores_pf);
-  for (int64_t h = 0; h < group; ++h) {  // columns past the span take no softmax weight
-    float* row = s.scores.data() + h * padded;
-    std::fill(row + n, row + padded, kNegInf);
-    std::tie(s.mx[h], s.sum[h]) = exponentiate(row, padded);
-  }
+  softmax_rows(s, group, n, padded);
   fma_values(s.scores.data(), padded, v, n, group, s.acc.data(), values_pf);
   finish_item(P, it, s.acc.data(), s.mx.data(), s.sum.data());
 }
