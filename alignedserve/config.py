@@ -21,6 +21,11 @@ class SchedulerConfig:
     # 2048 rather than 1024: the projections' GEMMs run faster per row at 2048 rows on the CPU,
     # and so did whole workloads in-process (docs/results/, the fourth run).
     max_num_batched_tokens: int = 2048
+    # Prompt tokens per step are also held to what this machine prefills in about this many
+    # seconds beside the step's decode rows (alignedserve.sched.budget), never below
+    # min_prompt_tokens_per_step; 0 turns the time target off.
+    step_time_target_s: float = 0.0
+    min_prompt_tokens_per_step: int = 256
     kv_reserve_tokens: int = 256
     align_tolerance: int = 2
     max_queue: int = 100_000

@@ -27,9 +27,12 @@ class FakeExecutor:
     appears twice in a step.
     """
 
-    def __init__(self, store: KVStore, token: int = FAKE_TOKEN):
+    def __init__(self, store: KVStore, token: int = FAKE_TOKEN, cost=None):
+        """``cost(prompt_tokens, decode_rows)``, when given, is the step's reported compute
+        time in seconds (a cost model for what the scheduler times)."""
         self.store = store
         self.token = token
+        self.cost = cost
         self.tiers: dict = {}
         self.capacity: dict = {}
         self.moving: dict = {}
@@ -81,6 +84,9 @@ class FakeExecutor:
             assert r.num_computed_tokens == r.num_tokens - 1, "decode row is not caught up"
             self._check_resident(r, r.num_tokens)
             out.sampled[r.request_id] = SampledToken(self.token, -0.5)
+        if self.cost is not None:
+            out.compute_s = self.cost(sum(c.num_tokens for c in plan.prefills),
+                                      len(plan.decode_requests))
         return out
 
 

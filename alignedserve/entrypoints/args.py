@@ -35,6 +35,13 @@ def add_engine_args(parser: argparse.ArgumentParser, preallocate_kv: bool = Fals
                    help="max requests running at once")
     g.add_argument("--max-num-batched-tokens", type=int, default=sched.max_num_batched_tokens,
                    help="per-step token budget (prefills are chunked to fit)")
+    g.add_argument("--step-time-target", type=float, default=sched.step_time_target_s,
+                   help="seconds: prompt tokens per step are also held to what this machine "
+                        "prefills in about this long beside the step's decode rows, so decode "
+                        "rows do not wait on long prompt chunks (0: the token budget only)")
+    g.add_argument("--min-prompt-tokens-per-step", type=int,
+                   default=sched.min_prompt_tokens_per_step,
+                   help="the step-time target never holds a step below this many prompt tokens")
     g.add_argument("--align-tolerance", type=int, default=sched.align_tolerance,
                    help="max KV-length difference inside an aligned decode batch")
     g.add_argument("--max-cohort-rows", type=int, default=64,
@@ -72,6 +79,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         policy=args.policy, seed=args.seed, max_model_len=args.max_model_len,
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=args.max_num_batched_tokens,
+                                  step_time_target_s=args.step_time_target,
+                                  min_prompt_tokens_per_step=args.min_prompt_tokens_per_step,
                                   align_tolerance=args.align_tolerance,
                                   max_cohort_rows=args.max_cohort_rows,
                                   max_wait_steps=args.max_wait_steps,

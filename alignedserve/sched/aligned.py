@@ -100,7 +100,8 @@ class AlignedScheduler(BaseScheduler):
         self._absorb_prefilled()
         self._reshape()
         chosen = self._select(plan)
-        budget = self.config.max_num_batched_tokens - sum(c.rows for c in chosen)
+        budget = self.prompt_tokens_left(
+            self.config.max_num_batched_tokens - sum(c.rows for c in chosen))
         budget = self._continue_prefills(plan, budget)
         self._admit(plan, budget, chosen)
         if not plan.has_work and self.cohorts:

@@ -20,6 +20,7 @@ from typing import Protocol
 
 from alignedserve.config import SchedulerConfig
 from alignedserve.kv.store import HOST, KVStore, device_tier
+from alignedserve.sched.budget import PromptBudget
 from alignedserve.request import FinishReason, Request, RequestStatus
 from alignedserve.sched.plan import PrefillChunk, StepOutput, StepPlan
 
@@ -64,6 +65,8 @@ class BaseScheduler:
         self.requests: dict[str, Request] = {}
         self._finished_ids: list[str] = []
         self._step_ids = itertools.count()
+        self.prompt_budget = PromptBudget(config.max_num_batched_tokens, config.step_time_target_s,
+                                          config.min_prompt_tokens_per_step)
 
     # ---- policy hooks --------------------------------------------------------------------
     def schedule(self) -> StepPlan:
@@ -134,8 +137,10 @@ class BaseScheduler:
             request.kv = None
 
     def update(self, plan: StepPlan, output: StepOutput) -> list[Request]:
-        """Advance KV lengths, append sampled tokens, apply token-level stops."""
+        """Advance KV lengths, append sampled tokens, apply token-level stops; time the
+        prompt budget."""
         touched: list[Request] = []
+        self.prompt_budget.observe(sum(c.num_tokens for c in plan.prefills), output.compute_s)
         for chunk in plan.prefills:
             chunk.request.num_computed_tokens += chunk.num_tokens
             if chunk.sample:
@@ -181,6 +186,11 @@ class BaseScheduler:
     def prefill_tokens_left(self, request: Request) -> int:
         """Tokens still to prefill before ``request`` can decode."""
         return self.prefill_target(request) - request.num_computed_tokens
+
+    def prompt_tokens_left(self, budget: int) -> int:
+        """Prompt tokens this step may take when ``budget`` tokens of the step's cap are left
+        (the cap counts decode rows too): no more than the step-time budget allows."""
+        return min(budget, self.prompt_budget.tokens())
 
     def next_chunk(self, request: Request, budget: int) -> PrefillChunk | None:
         """The next prefill chunk of ``request`` within ``budget`` tokens, or None."""

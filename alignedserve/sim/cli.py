@@ -111,6 +111,10 @@ def _add_policy_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=256, help="max requests decoding at once")
     g.add_argument("--max-num-batched-tokens", type=int, default=2048,
                    help="per-step token budget (prefills are chunked to fit)")
+    g.add_argument("--step-time-target", type=float, default=0.0,
+                   help="seconds: hold a step's prompt tokens to what the modelled devices "
+                        "prefill in about this long (the engine's alignedserve.sched.budget; "
+                        "default 0, off: the simulated GPU engines use fixed token budgets)")
     g.add_argument("--kv-reserve-tokens", type=int, default=256,
                    help="output headroom reserved in each request's KV allocation")
     g.add_argument("--align-tolerance", type=int, default=2,

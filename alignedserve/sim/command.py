@@ -37,6 +37,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
                         profile_path=args.hardware_profile)
     sched = SchedulerConfig(
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        step_time_target_s=args.step_time_target,
         kv_reserve_tokens=args.kv_reserve_tokens, align_tolerance=args.align_tolerance,
         max_cohort_rows=args.max_cohort_rows, max_inflight=args.max_inflight,
         max_wait_steps=args.max_wait_steps, catchup_window=args.catchup_window)

@@ -50,7 +50,7 @@ SYSTEMS: Mapping[str, str] = MappingProxyType({  # each system on the kernel it 
     "aligned, engine defaults": "aligned:kernel=padded",
     "aligned, grouped, no host pool": ALIGNED_GROUPED,
 })
-SCHEDULER = SchedulerConfig(catchup_window=8)
+SCHEDULER = SchedulerConfig(catchup_window=8, step_time_target_s=0.0)  # GPU engines: fixed budgets
 ADMISSION_SYSTEMS: Mapping[str, str] = MappingProxyType({
     "vLLM-like (fcfs, split-kv)": "fcfs:kernel=split-kv",
     "aligned, grouped, no pool, arrival order": ALIGNED_GROUPED + ":admission=fcfs",
