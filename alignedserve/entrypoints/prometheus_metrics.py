@@ -107,6 +107,10 @@ class EngineCollector(Collector):
         yield self._counter("kv_copy_wait_seconds", "Time steps waited on KV copies between tiers.",
                             s.copy_wait_s)
         yield self._counter("kv_copy_bytes", "KV bytes copied between tiers.", s.copy_bytes)
+        yield self._gauge("prompt_tokens_per_step_budget",
+                          "Most prompt tokens the next step may carry (the token cap, or less "
+                          "under --step-time-target).",
+                          self.engine.scheduler.prompt_budget.tokens())
 
     def _alignment(self) -> Iterator[Metric]:
         s = self.engine.stats
