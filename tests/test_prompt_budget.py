@@ -67,3 +67,17 @@ def test_every_policy_chunks_prompts_to_the_time_budget(policy):
     assert prompt_sizes[0] == 1024  # untimed: the cap
     assert 0 < max(prompt_sizes[1:]) <= 128
     assert all(len(r.output_token_ids) == 4 for r in reqs)
+
+
+def test_serve_targets_step_time_and_offline_keeps_the_token_budget():
+    """`serve` turns the step-time target on by default; `generate` (offline) leaves it off."""
+    from alignedserve.config import SERVING_STEP_TIME_TARGET_S
+    from alignedserve.entrypoints.args import engine_config_from_args
+    from alignedserve.entrypoints.cli import build_parser
+
+    def target(*argv: str) -> float:
+        return engine_config_from_args(build_parser().parse_args(argv)).scheduler.step_time_target_s
+
+    assert target("serve") == SERVING_STEP_TIME_TARGET_S > 0
+    assert target("serve", "--step-time-target", "0") == 0
+    assert target("generate", "--prompt", "hi") == 0

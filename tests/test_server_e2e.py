@@ -19,6 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from alignedserve.config import SchedulerConfig
 from tests.server_process import get_or_none, serve_default_model, wait_until
 from tests.test_server_protocol import HealthProbe, assert_error, sse_events
 
@@ -208,6 +209,16 @@ def test_bad_input_through_the_client(server, oai):
     assert exc.value.body["param"] == "max_tokens"
     with pytest.raises(openai.NotFoundError):
         oai.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
+
+
+def test_prompt_budget_is_served_within_its_bounds(server, oai):
+    """The server holds prompt tokens per step to its step-time target: the budget /metrics
+    shows lies between --min-prompt-tokens-per-step and --max-num-batched-tokens."""
+    url, _, model = server
+    oai.completions.create(model=model, prompt="word " * 600, max_tokens=2, temperature=0)
+    config = SchedulerConfig()
+    budget = _metric(url, "prompt_tokens_per_step_budget")
+    assert config.min_prompt_tokens_per_step <= budget <= config.max_num_batched_tokens
 
 
 # ---- disconnects, load, fuzz -------------------------------------------------------------------

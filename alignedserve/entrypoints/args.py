@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import argparse
 
-from alignedserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from alignedserve.config import (SERVING_STEP_TIME_TARGET_S, CacheConfig, EngineConfig,
+                                 SchedulerConfig)
 from alignedserve.kernels.isa import PATHS
 
 
-def add_engine_args(parser: argparse.ArgumentParser, preallocate_kv: bool = False) -> None:
-    """Engine options; ``preallocate_kv`` is the default of --preallocate-kv (the server's is
-    on: it runs for long, and no request should wait on page faults)."""
+def add_engine_args(parser: argparse.ArgumentParser, serving: bool = False) -> None:
+    """Engine options. ``serving`` picks the server's defaults where they differ from offline
+    use (as vLLM's defaults depend on its usage context): --preallocate-kv on (a server runs
+    for long, and no request should wait on page faults) and --step-time-target on (requests
+    arrive while others decode, and each decode row waits on the step's prompt chunk)."""
     sched = SchedulerConfig()  # scheduler defaults come from the config, so they cannot drift
     g = parser.add_argument_group("engine")
     g.add_argument("--model", default=None,
@@ -35,10 +38,12 @@ def add_engine_args(parser: argparse.ArgumentParser, preallocate_kv: bool = Fals
                    help="max requests running at once")
     g.add_argument("--max-num-batched-tokens", type=int, default=sched.max_num_batched_tokens,
                    help="per-step token budget (prefills are chunked to fit)")
-    g.add_argument("--step-time-target", type=float, default=sched.step_time_target_s,
+    g.add_argument("--step-time-target", type=float,
+                   default=SERVING_STEP_TIME_TARGET_S if serving else sched.step_time_target_s,
                    help="seconds: prompt tokens per step are also held to what this machine "
                         "prefills in about this long beside the step's decode rows, so decode "
-                        "rows do not wait on long prompt chunks (0: the token budget only)")
+                        "rows do not wait on long prompt chunks (0: the token budget only; "
+                        f"default {SERVING_STEP_TIME_TARGET_S} for serve, 0 offline)")
     g.add_argument("--min-prompt-tokens-per-step", type=int,
                    default=sched.min_prompt_tokens_per_step,
                    help="the step-time target never holds a step below this many prompt tokens")
@@ -63,7 +68,7 @@ def add_engine_args(parser: argparse.ArgumentParser, preallocate_kv: bool = Fals
                    help="keep bf16 KV caches token-major (default: bf16-pair blocks where a "
                         "compiled kernel path runs and head_dim is 64)")
     g.add_argument("--preallocate-kv", action=argparse.BooleanOptionalAction,
-                   default=preallocate_kv,
+                   default=serving,
                    help="fault in the device KV budget at start-up (CPU; at most half the free "
                         "RAM)")
     g.add_argument("--num-devices", type=int, default=1,

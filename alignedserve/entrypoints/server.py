@@ -114,7 +114,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="log one line per HTTP request")
     g.add_argument("--no-ui", dest="ui", action="store_false",
                    help="do not serve the web console at / (the API is unchanged)")
-    add_engine_args(p, preallocate_kv=True)
+    add_engine_args(p, serving=True)
     add_replica_args(p)
     p.set_defaults(func=_serve)
 
