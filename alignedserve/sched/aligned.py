@@ -100,7 +100,7 @@ class AlignedScheduler(BaseScheduler):
         self._absorb_prefilled()
         self._reshape()
         chosen = self._select(plan)
-        budget = self.prompt_tokens_left(
+        budget = self.prompt_allowance(
             self.config.max_num_batched_tokens - sum(c.rows for c in chosen))
         budget = self._continue_prefills(plan, budget)
         self._admit(plan, budget, chosen)

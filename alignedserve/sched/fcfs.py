@@ -44,7 +44,7 @@ class FcfsScheduler(BaseScheduler):
         plan = self._new_plan()
         budget = self.config.max_num_batched_tokens
         decode = self._schedule_decodes(budget)
-        budget = self.prompt_tokens_left(budget - len(decode))
+        budget = self.prompt_allowance(budget - len(decode))
         for request in self.running:
             if budget <= 0:
                 break

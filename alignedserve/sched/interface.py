@@ -187,10 +187,10 @@ class BaseScheduler:
         """Tokens still to prefill before ``request`` can decode."""
         return self.prefill_target(request) - request.num_computed_tokens
 
-    def prompt_tokens_left(self, budget: int) -> int:
-        """Prompt tokens this step may take when ``budget`` tokens of the step's cap are left
-        (the cap counts decode rows too): no more than the step-time budget allows."""
-        return min(budget, self.prompt_budget.tokens())
+    def prompt_allowance(self, cap_left: int) -> int:
+        """Prompt tokens this step may take when ``cap_left`` tokens of the step's token cap
+        are left (the cap counts decode rows too), held to the step-time budget."""
+        return min(cap_left, self.prompt_budget.tokens())
 
     def next_chunk(self, request: Request, budget: int) -> PrefillChunk | None:
         """The next prefill chunk of ``request`` within ``budget`` tokens, or None."""

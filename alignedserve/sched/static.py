@@ -42,7 +42,7 @@ class StaticScheduler(BaseScheduler):
         plan = self._new_plan()
         if not self.batch:
             self._admit_batch()
-        budget = self.prompt_tokens_left(self.config.max_num_batched_tokens)
+        budget = self.prompt_allowance(self.config.max_num_batched_tokens)
         prefilling = [r for r in self.batch if r.in_prefill]
         for request in prefilling:
             if budget <= 0:
