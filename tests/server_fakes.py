@@ -35,6 +35,7 @@ from alignedserve.outputs import (
     RequestOutput,
 )
 from alignedserve.sampling_params import SamplingParams
+from alignedserve.sched.budget import PromptBudget
 from alignedserve.sched.interface import DecodeGroup
 from alignedserve.step_stats import BatchRecord, StepRecord, StepStats
 
@@ -106,6 +107,9 @@ class _Group:
 class _Scheduler:
     def __init__(self, engine: FakeEngine):
         self._engine = engine
+        sched = engine.config.scheduler
+        self.prompt_budget = PromptBudget(sched.max_num_batched_tokens, 0.0,
+                                          sched.min_prompt_tokens_per_step)
 
     def num_running(self) -> int:
         return sum(1 for s in self._engine._active() if s.kv is not None)
