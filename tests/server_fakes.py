@@ -327,7 +327,7 @@ def live_server(app) -> Iterator[str]:
 
 def main(argv: list[str] | None = None) -> None:
     """``python -m tests.server_fakes --port P``: the real server (signals and all) on a fake."""
-    from alignedserve.entrypoints.server import serve_app
+    from alignedserve.entrypoints.server import listen_socket, serve_app
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--port", type=int, required=True)
@@ -335,7 +335,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--step-s", type=float, default=0.01)
     args = parser.parse_args(argv)
     app, _, _ = fake_app({"shutdown_grace_s": args.grace}, step_s=args.step_s, max_model_len=4096)
-    serve_app(app, "127.0.0.1", args.port, "warning", access_log=False)
+    serve_app(app, listen_socket("127.0.0.1", args.port), "warning", access_log=False)
 
 
 if __name__ == "__main__":

@@ -611,6 +611,21 @@ def test_sigterm_finishes_short_requests_and_errors_long_ones():
     assert "error" in json.loads(events[-2]) and events[-1] == "[DONE]"
 
 
+def test_serve_claims_its_port_before_loading_the_model():
+    """A taken port fails at once with a clear message, before the model loads (and, with
+    --replicas, before Ray starts processes that could take the port meanwhile)."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run([sys.executable, "-m", "alignedserve.entrypoints.cli", "serve",
+                               "--port", str(port), "--model", "/nonexistent/model.gguf"],
+                              cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                              capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert f"cannot listen on 127.0.0.1:{port}" in done.stderr
+
+
 def _admitted(url: str) -> int:
     text = httpx.get(f"{url}/metrics", timeout=5).text
     prefix = "alignedserve:num_sequences_admitted{"

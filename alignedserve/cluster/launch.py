@@ -25,6 +25,7 @@ import argparse
 import logging
 import os
 import signal
+import socket
 import time
 from typing import Any
 
@@ -154,9 +155,11 @@ def wait_for_reports(board: Any, replicas: int, timeout_s: float = 60.0) -> None
         time.sleep(STATS_PERIOD_S)
 
 
-def serve_replicated(args: argparse.Namespace, config: EngineConfig, settings_for) -> int:
-    """Run the replicated server until SIGTERM/SIGINT; ``settings_for(model_names,
-    max_inflight)`` makes the front end's ``ServerSettings``."""
+def serve_replicated(args: argparse.Namespace, config: EngineConfig, settings_for,
+                     sock: socket.socket) -> int:
+    """Run the replicated server on ``sock`` (bound already, so no Ray process takes the
+    port) until SIGTERM/SIGINT; ``settings_for(model_names, max_inflight)`` makes the front
+    end's ``ServerSettings``."""
     import ray
     from ray import serve
 
@@ -180,8 +183,7 @@ def serve_replicated(args: argparse.Namespace, config: EngineConfig, settings_fo
         # the replicas (Ray's own driver handler would exit with status 15 instead).
         signal.signal(signal.SIGTERM, _exit_cleanly)
         signal.signal(signal.SIGINT, _exit_cleanly)
-        serve_app(build_app(backend, settings), args.host, args.port, args.log_level,
-                  args.access_log)
+        serve_app(build_app(backend, settings), sock, args.log_level, args.access_log)
     finally:
         stop(started_cluster)
     return 0

@@ -1,8 +1,8 @@
 """``alignedserve serve``: the OpenAI-compatible HTTP server (FastAPI + uvicorn).
 
 ``build_app(engine, settings)`` makes the ASGI app (tests drive it in-process);
-``serve_app`` runs it under uvicorn with graceful shutdown; ``add_parser`` registers the CLI
-subcommand. fastapi/uvicorn and the engine are imported inside functions so that the CLI
+``listen_socket`` claims the port; ``serve_app`` runs the app on it under uvicorn with graceful
+shutdown; ``add_parser`` registers the CLI subcommand. fastapi/uvicorn and the engine are imported inside functions so that the CLI
 (which imports this module to build its parser) starts fast.
 
 Graceful shutdown on SIGTERM/SIGINT: uvicorn stops accepting connections and waits for open
@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import logging
 import os
+import socket
 from typing import TYPE_CHECKING, Any
 
 from alignedserve.entrypoints.server_state import ServerSettings, build_state
@@ -67,9 +68,27 @@ def build_app(engine: AsyncEngine | EngineBackend, settings: ServerSettings) -> 
     return app
 
 
-def serve_app(app: FastAPI, host: str, port: int, log_level: str = "info",
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host:port``, claimed before the model loads or Ray starts: a port
+    that is taken fails at once, and no process started meanwhile (Ray's workers open many
+    connections, each from an ephemeral port) can take it first. Not inheritable (PEP 446),
+    so the processes we start do not hold it."""
+    family, kind, proto, _, address = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        raise SystemExit(f"cannot listen on {host}:{port}: {exc.strerror}") from exc
+    return sock
+
+
+def serve_app(app: FastAPI, sock: socket.socket, log_level: str = "info",
               access_log: bool = True) -> None:
-    """Run under uvicorn until SIGTERM/SIGINT, draining as described in the module docstring."""
+    """Run under uvicorn on ``sock`` (from ``listen_socket``) until SIGTERM/SIGINT, draining
+    as described in the module docstring; the socket is closed when it returns."""
     import uvicorn
 
     lifecycle = app.state.server.lifecycle
@@ -80,10 +99,10 @@ def serve_app(app: FastAPI, host: str, port: int, log_level: str = "info",
             super().handle_exit(sig, frame)
 
     # uvicorn's own deadline is a backstop only: our expiry answers every open run first.
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                            access_log=access_log, lifespan="on",
+    config = uvicorn.Config(app, log_level=log_level, access_log=access_log, lifespan="on",
                             timeout_graceful_shutdown=int(lifecycle.grace_s) + 10)
-    DrainingServer(config).run()
+    with sock:
+        DrainingServer(config).run(sockets=[sock])
 
 
 # ---- command line ------------------------------------------------------------------------------
@@ -141,16 +160,17 @@ def _serve(args: argparse.Namespace) -> int:
                               max_body_bytes=args.max_body_bytes,
                               shutdown_grace_s=args.shutdown_grace, ui=args.ui)
 
+    sock = listen_socket(args.host, args.port)
     if args.replicas:
         from alignedserve.cluster.launch import serve_replicated
 
-        return serve_replicated(args, config, settings_for)
+        return serve_replicated(args, config, settings_for, sock)
     max_inflight = args.max_num_seqs + args.max_queue
     # The engine thread builds the engine, so one thread does all of the model's torch work.
     # The engine's own bound counts requests; ours counts sequences (>= requests), so the
     # server's 503 always comes first and the engine never refuses what we admitted.
     async_engine = AsyncEngine(lambda: LLMEngine(config), max_pending=max_inflight)
     names = tuple(args.served_model_name or [args.model or async_engine.engine.loaded.name])
-    serve_app(build_app(async_engine, settings_for(names, max_inflight)), args.host, args.port,
-              args.log_level, args.access_log)
+    serve_app(build_app(async_engine, settings_for(names, max_inflight)), sock, args.log_level,
+              args.access_log)
     return 0
