@@ -73,12 +73,11 @@ def listen_socket(host: str, port: int) -> socket.socket:
     that is taken fails at once, and no process started meanwhile (Ray's workers open many
     connections, each from an ephemeral port) can take it first. Not inheritable (PEP 446),
     so the processes we start do not hold it."""
-    family, kind, proto, _, address = socket.getaddrinfo(
-        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
-    sock = socket.socket(family, kind, proto)
+    # The family as uvicorn picks it for a host name (so "localhost" stays 127.0.0.1).
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        sock.bind(address)
+        sock.bind((host, port))
     except OSError as exc:
         sock.close()
         raise SystemExit(f"cannot listen on {host}:{port}: {exc.strerror}") from exc
