@@ -5,9 +5,9 @@ row. Linear layers run once over all of them; attention runs per prefill chunk (
 request's cache, causal: the path's prefill kernel, ``Kernels.prefill_attention``, where it
 applies, torch's SDPA otherwise) and over all decode rows at once (one kernel call that
 appends each row's new K/V and attends over exactly that row's length: no padding).
-With ``tiled`` caches (``kv_layout``) a chunk is stored by ``write_tiled``; the AMX and
-AVX512-BF16 prefill kernels read the tiled planes themselves, the AVX2 kernel and SDPA get the
-earlier chunks' K/V as a token-major copy (``kv_layout.read``) followed by the chunk's own.
+With ``tiled`` caches (``kv_layout``) a chunk is stored by ``write_tiled``; the compiled
+prefill kernels read the tiled planes themselves, SDPA gets the earlier chunks' K/V as a
+token-major copy (``kv_layout.read``) followed by the chunk's own.
 """
 
 from __future__ import annotations
@@ -74,15 +74,14 @@ class StepAttention:
         k_cache, v_cache = seg.cache[layer, 0], seg.cache[layer, 1]  # [kv_heads, cap, dim]
         if self.tiled:
             self.kernels.write_tiled(seg.cache, layer, k, v, seg.start)
-            if self._use_kernel and self.kernels.prefill_reads_tiled:
+            if self._use_kernel:  # every compiled prefill kernel reads the planes in place
                 hi = kv_layout.round_up(stop)  # the kernel reads the planes' whole blocks
                 return self.kernels.prefill_attention(q, k_cache[:, :hi], v_cache[:, :hi],
                                                       seg.start, self.scale, tiled=True)
-            # Token-major K/V: the earlier chunks' from the planes, this chunk's as computed.
+            # SDPA over token-major K/V: the earlier chunks' from the planes, this chunk's as
+            # computed.
             keys = _token_major(k_cache, seg.start, k, kv_layout.KEYS)
             values = _token_major(v_cache, seg.start, v, kv_layout.VALUES)
-            if self._use_kernel:
-                return self.kernels.prefill_attention(q, keys, values, seg.start, self.scale)
         else:
             k_cache[:, seg.start:stop].copy_(k.transpose(0, 1))
             v_cache[:, seg.start:stop].copy_(v.transpose(0, 1))

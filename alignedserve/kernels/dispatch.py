@@ -44,7 +44,7 @@ from types import ModuleType
 import torch
 from torch import Tensor
 
-from alignedserve.kernels import isa, kv_layout, reference
+from alignedserve.kernels import isa, reference
 from alignedserve.kernels.build import load_extension
 from alignedserve.kernels.kv_layout import CAPACITY_MULTIPLE
 
@@ -165,12 +165,6 @@ class Kernels:
                 and device.type == "cpu"
                 and granularity % CAPACITY_MULTIPLE == 0)
 
-    @property
-    def prefill_reads_tiled(self) -> bool:
-        """Whether `prefill_attention` reads tiled planes itself (AMX, AVX512-BF16) rather
-        than through a token-major copy."""
-        return self.amx or self.avx512_bf16
-
     def prefill_kernel_applies(self, q: Tensor) -> bool:
         """Whether `prefill_attention` takes chunks with queries like ``q`` (bf16 on CPU, a
         head_dim the path's kernel takes: % 32 with AMX or AVX512-BF16, % 8 with AVX2); else
@@ -192,11 +186,7 @@ class Kernels:
             return self.ext.prefill_attention(q, keys, values, start, scale, tiled)
         if self.avx512_bf16:
             return self.ext.prefill_attention_avx512(q, keys, values, start, scale, tiled)
-        if tiled:  # the AVX2 kernel takes token-major K/V only (prefill_reads_tiled)
-            stop = start + q.shape[0]
-            keys = kv_layout.read(keys, stop, kv_layout.KEYS)
-            values = kv_layout.read(values, stop, kv_layout.VALUES)
-        return self.ext.prefill_attention_avx2(q, keys, values, start, scale)
+        return self.ext.prefill_attention_avx2(q, keys, values, start, scale, tiled)
 
     def write_tiled(self, cache: Tensor, layer: int, k: Tensor, v: Tensor, start: int) -> None:
         """Store k, v [T, KVH, D] at positions start.. of a tiled cache's layer ``layer``."""

@@ -5,7 +5,9 @@
 //   q     : [T, H, D] bf16, heads dense within a token row (stride(0) free: a view of a fused
 //           qkv projection); query i sits at absolute position start + i.
 //   k, v  : [KVH, S, D] bf16 with S == start + T, token rows dense (stride(2) == 1,
-//           stride(1) == D; stride(0) free, so a layer slice of a request's cache works).
+//           stride(1) == D; stride(0) free, so a layer slice of a request's cache works),
+//           or, `tiled`, a tiled cache's K and V planes (alignedserve/kernels/kv_layout.py;
+//           D == 64, at least start + T positions, capacity % 16 == 0).
 //   out   : [T, H, D] bf16 (contiguous) = softmax(scale * q.k) . v over keys 0..start+i of kv
 //           head h / (H / KVH), i.e. SDPA with a bottom-right causal mask. Scores, softmax,
 //           probabilities and accumulators are all fp32 (P is not rounded to bf16).
@@ -14,6 +16,10 @@
 // Layout: each query is one fp32 lane of a ymm "query vector" (8 consecutive queries of one
 // head), so the online softmax (running max, sum, rescale) is lane-wise vector code with no
 // horizontal reductions, as in the AVX-512 kernels.
+//   * Addressing: element (t, d) of a plane is at row(t) + dim(d) (TokenRows, TiledKeys,
+//     TiledValues below), so a tiled cache is read where it lies, as a token-major one is: each
+//     key's row offset is taken once per register block, each dim's once per dim. Which
+//     element a broadcast reads is all that changes, so both layouts give the same bits.
 //   * bf16 -> fp32 widening: K and V are read in place from the cache. Each broadcast operand
 //     is the 32-bit word starting at the wanted element, shifted left by 16: its high half, now
 //     the fp32 with the same value (exact), is all that survives. K and V are never copied or
@@ -193,6 +199,20 @@ inline float bf16_to_float(uint16_t b) {
   return f;
 }
 
+// Where element (t, d) of a kv head's plane lives, as row(t) + dim(d) elements from its start.
+struct TokenRows {  // token-major rows of D
+  static int64_t row(int64_t t, int64_t D) { return t * D; }
+  static int64_t dim(int64_t d) { return d; }
+};
+struct TiledKeys {  // 16-token blocks stored [32 dim pairs][16 tokens][2 dims] (D == 64)
+  static int64_t row(int64_t t, int64_t) { return (t >> 4) * (16 * 64) + (t & 15) * 2; }
+  static int64_t dim(int64_t d) { return (d >> 1) * 32 + (d & 1); }
+};
+struct TiledValues {  // token pairs stored [64 dims][2 tokens] (D == 64)
+  static int64_t row(int64_t t, int64_t) { return (t >> 1) * (2 * 64) + (t & 1); }
+  static int64_t dim(int64_t d) { return 2 * d; }
+};
+
 // Q^T of head `head` for the chunk's queries i0 .. i0 + nq - 1 (lanes 0 .. nq - 1, nq <= 8);
 // other lanes are 0.
 void pack_queries(const Problem& P, int64_t i0, int nq, int64_t head, float* qt) {
@@ -214,18 +234,24 @@ __attribute__((always_inline)) inline __m256 bcast(const uint16_t* x) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_castps_si256(w), 16));
 }
 
-// Raw scores of NK consecutive keys (bf16 rows of `krows`, D apart) for NV query vectors:
-// s[v] row kk = sum over dims d (in order, one FMA chain) of Q^T[v][d] * K[kk][d]. kMask: keys
-// after a lane's position get kMaskedScore. Raises bmax[v] to the keys' max.
-template <int NV, int NK, bool kMask>
+// Raw scores of NK consecutive keys (rows key .. key + NK - 1 of plane `k`, addressed by Rows)
+// for NV query vectors: s[v] row kk = sum over dims d (in order, one FMA chain) of
+// Q^T[v][d] * K[kk][d]. kMask: keys after a lane's position (key0 + kk) get kMaskedScore.
+// Raises bmax[v] to the keys' max.
+template <int NV, int NK, bool kMask, class Rows>
 __attribute__((always_inline)) inline void block_scores(const float* const* qt,
-                                                        const uint16_t* krows, int64_t D,
-                                                        float* const* s, const __m256i* qpos,
-                                                        int32_t key0, __m256* bmax) {
+                                                        const uint16_t* k, int64_t key,
+                                                        int64_t D, float* const* s,
+                                                        const __m256i* qpos, int32_t key0,
+                                                        __m256* bmax) {
+  const uint16_t* krow[NK];
+#pragma GCC unroll 12
+  for (int kk = 0; kk < NK; ++kk) krow[kk] = k + Rows::row(key + kk, D);
   __m256 acc[NV][NK];
 #pragma GCC unroll 12
   for (int i = 0; i < NV * NK; ++i) acc[i / NK][i % NK] = _mm256_setzero_ps();
   for (int64_t d = 0; d < D; ++d) {
+    const int64_t dd = Rows::dim(d);
     // Hold the smaller operand set in registers: NV * NK + min(NV, NK) + 1 <= 16.
     if constexpr (NV <= NK) {
       __m256 qv[NV];
@@ -233,14 +259,14 @@ __attribute__((always_inline)) inline void block_scores(const float* const* qt,
       for (int v = 0; v < NV; ++v) qv[v] = _mm256_load_ps(qt[v] + d * kL);
 #pragma GCC unroll 12
       for (int kk = 0; kk < NK; ++kk) {
-        const __m256 kb = bcast(krows + kk * D + d);
+        const __m256 kb = bcast(krow[kk] + dd);
 #pragma GCC unroll 4
         for (int v = 0; v < NV; ++v) acc[v][kk] = _mm256_fmadd_ps(qv[v], kb, acc[v][kk]);
       }
     } else {
       __m256 kb[NK];
 #pragma GCC unroll 12
-      for (int kk = 0; kk < NK; ++kk) kb[kk] = bcast(krows + kk * D + d);
+      for (int kk = 0; kk < NK; ++kk) kb[kk] = bcast(krow[kk] + dd);
 #pragma GCC unroll 4
       for (int v = 0; v < NV; ++v) {
         const __m256 qv = _mm256_load_ps(qt[v] + d * kL);
@@ -317,33 +343,35 @@ inline bool softmax_rows(float* s, int n, __m256 raw_max, float* m, float* l, __
 }
 
 // O^T[v][d0 .. d0 + ND) += sum over the block's n keys (in order) of P^T[v][kk] * V[kk][d] for
-// NV query vectors (P^T rows at p[v], accumulators at acc[v]); V rows are D apart.
-template <int NV, int ND>
+// NV query vectors (P^T rows at p[v], accumulators at acc[v]); the keys are rows t0 .. of
+// `plane`, addressed by Rows.
+template <int NV, int ND, class Rows>
 __attribute__((always_inline)) inline void block_values(const float* const* p, int n,
-                                                        const uint16_t* vrows, int64_t D,
-                                                        int64_t d0, float* const* acc) {
+                                                        const uint16_t* plane, int64_t t0,
+                                                        int64_t D, int64_t d0,
+                                                        float* const* acc) {
   __m256 a[NV][ND];
 #pragma GCC unroll 4
   for (int v = 0; v < NV; ++v) {
 #pragma GCC unroll 12
     for (int dd = 0; dd < ND; ++dd) a[v][dd] = _mm256_load_ps(acc[v] + (d0 + dd) * kL);
   }
-  const uint16_t* vrow = vrows + d0;
-  for (int kk = 0; kk < n; ++kk, vrow += D) {
+  for (int kk = 0; kk < n; ++kk) {
+    const uint16_t* vrow = plane + Rows::row(t0 + kk, D);
     if constexpr (NV <= ND) {
       __m256 pv[NV];
 #pragma GCC unroll 4
       for (int v = 0; v < NV; ++v) pv[v] = _mm256_load_ps(p[v] + kk * kL);
 #pragma GCC unroll 12
       for (int dd = 0; dd < ND; ++dd) {
-        const __m256 vb = bcast(vrow + dd);
+        const __m256 vb = bcast(vrow + Rows::dim(d0 + dd));
 #pragma GCC unroll 4
         for (int v = 0; v < NV; ++v) a[v][dd] = _mm256_fmadd_ps(pv[v], vb, a[v][dd]);
       }
     } else {
       __m256 vb[ND];
 #pragma GCC unroll 12
-      for (int dd = 0; dd < ND; ++dd) vb[dd] = bcast(vrow + dd);
+      for (int dd = 0; dd < ND; ++dd) vb[dd] = bcast(vrow + Rows::dim(d0 + dd));
 #pragma GCC unroll 4
       for (int v = 0; v < NV; ++v) {
         const __m256 pv = _mm256_load_ps(p[v] + kk * kL);
@@ -361,31 +389,33 @@ __attribute__((always_inline)) inline void block_values(const float* const* p, i
 
 // All D dims of O^T for NV vectors over n keys: register blocks of 12 / NV dims, then the
 // remainder in blocks of 8, 4, 2, 1 dims.
-template <int NV>
-__attribute__((noinline)) void batch_values(const float* const* p, int n, const uint16_t* vrows,
-                                            int64_t D, float* const* acc) {
+template <int NV, class Rows>
+__attribute__((noinline)) void batch_values(const float* const* p, int n,
+                                            const uint16_t* plane, int64_t t0, int64_t D,
+                                            float* const* acc) {
   constexpr int ND = kAcc / NV;
   int64_t d0 = 0;
-  for (; d0 + ND <= D; d0 += ND) block_values<NV, ND>(p, n, vrows, D, d0, acc);
+  for (; d0 + ND <= D; d0 += ND) block_values<NV, ND, Rows>(p, n, plane, t0, D, d0, acc);
   if constexpr (ND > 8) {
-    if (D - d0 >= 8) { block_values<NV, 8>(p, n, vrows, D, d0, acc); d0 += 8; }
+    if (D - d0 >= 8) { block_values<NV, 8, Rows>(p, n, plane, t0, D, d0, acc); d0 += 8; }
   }
   if constexpr (ND > 4) {
-    if (D - d0 >= 4) { block_values<NV, 4>(p, n, vrows, D, d0, acc); d0 += 4; }
+    if (D - d0 >= 4) { block_values<NV, 4, Rows>(p, n, plane, t0, D, d0, acc); d0 += 4; }
   }
   if constexpr (ND > 2) {
-    if (D - d0 >= 2) { block_values<NV, 2>(p, n, vrows, D, d0, acc); d0 += 2; }
+    if (D - d0 >= 2) { block_values<NV, 2, Rows>(p, n, plane, t0, D, d0, acc); d0 += 2; }
   }
   if constexpr (ND > 1) {
-    if (D - d0 >= 1) { block_values<NV, 1>(p, n, vrows, D, d0, acc); d0 += 1; }
+    if (D - d0 >= 1) { block_values<NV, 1, Rows>(p, n, plane, t0, D, d0, acc); d0 += 1; }
   }
 }
 
 // Raw scores of the block's n keys [t0, t0 + n) for NV query vectors, and their max per
-// vector (keys from pad_from on are rows of kpad). Not inlined, nor the P.V pass: compiled on
-// their own, their register blocks keep every reused operand in the 16 registers (inlined
-// into the item loop, GCC took some from memory in every FMA instead).
-template <int NV>
+// vector (keys from pad_from on are rows of kpad, token-major; the others of k_head, addressed
+// by Rows). Not inlined, nor the P.V pass: compiled on their own, their register blocks keep
+// every reused operand in the 16 registers (inlined into the item loop, GCC took some from
+// memory in every FMA instead).
+template <int NV, class Rows>
 __attribute__((noinline)) void block_scores_all(const float* const* qt, const uint16_t* k_head,
                                                 const uint16_t* kpad, int64_t pad_from, int64_t D,
                                                 float* const* s, int64_t t0, int n, int64_t p0,
@@ -396,19 +426,23 @@ __attribute__((noinline)) void block_scores_all(const float* const* qt, const ui
     const int64_t key = t0 + c;
     float* rows[NV];
     for (int j = 0; j < NV; ++j) rows[j] = s[j] + c * kL;
-    const uint16_t* krows = key >= pad_from ? kpad + (key - pad_from) * D : k_head + key * D;
-    if (key + NK - 1 > p0) {  // some key is in some lane's future
-      block_scores<NV, NK, true>(qt, krows, D, rows, qpos, static_cast<int32_t>(key), bmax);
+    const auto key0 = static_cast<int32_t>(key);
+    if (key >= pad_from) {  // the padded copy (the mask leaves visible keys as they are)
+      block_scores<NV, NK, true, TokenRows>(qt, kpad, key - pad_from, D, rows, qpos, key0,
+                                            bmax);
+    } else if (key + NK - 1 > p0) {  // some key is in some lane's future
+      block_scores<NV, NK, true, Rows>(qt, k_head, key, D, rows, qpos, key0, bmax);
     } else {
-      block_scores<NV, NK, false>(qt, krows, D, rows, qpos, static_cast<int32_t>(key), bmax);
+      block_scores<NV, NK, false, Rows>(qt, k_head, key, D, rows, qpos, key0, bmax);
     }
   }
 }
 
 // One key block [t0, t0 + n) for the NV query vectors v0 .. v0 + NV - 1 of the item: scores,
 // softmax, and the P.V update of their accumulators. p0: the item's first position (keys up to
-// it are visible to every lane). Keys from pad_from on are rows of sc.kpad / sc.vpad.
-template <int NV>
+// it are visible to every lane). Keys from pad_from on are rows of sc.kpad / sc.vpad, the
+// others of the planes, addressed by KRows and VRows.
+template <int NV, class KRows, class VRows>
 void run_block(const Problem& P, Scratch& sc, const uint16_t* k_head, const uint16_t* v_head,
                int v0, int64_t t0, int n, int64_t p0, int64_t pad_from) {
   constexpr int NK = kAcc / NV;
@@ -423,7 +457,8 @@ void run_block(const Problem& P, Scratch& sc, const uint16_t* k_head, const uint
     acc[j] = sc.acc + (v0 + j) * D * kL;
   }
   __m256 bmax[NV];
-  block_scores_all<NV>(qt, k_head, sc.kpad, pad_from, D, s, t0, n, p0, sc.qpos + v0, bmax);
+  block_scores_all<NV, KRows>(qt, k_head, sc.kpad, pad_from, D, s, t0, n, p0, sc.qpos + v0,
+                              bmax);
   for (int j = 0; j < NV; ++j) {
     __m256 corr;
     if (softmax_rows(s[j], n, bmax[j], sc.m + (v0 + j) * kL, sc.l + (v0 + j) * kL, corr,
@@ -436,11 +471,11 @@ void run_block(const Problem& P, Scratch& sc, const uint16_t* k_head, const uint
   }
   // Keys from pad_from on come from the padded copy: the same chains, continued.
   const int n_direct = static_cast<int>(std::clamp<int64_t>(pad_from - t0, 0, n));
-  if (n_direct > 0) batch_values<NV>(s, n_direct, v_head + t0 * D, D, acc);
+  if (n_direct > 0) batch_values<NV, VRows>(s, n_direct, v_head, t0, D, acc);
   if (n_direct < n) {
     const float* sp[NV];
     for (int j = 0; j < NV; ++j) sp[j] = s[j] + n_direct * kL;
-    batch_values<NV>(sp, n - n_direct, sc.vpad + (t0 + n_direct - pad_from) * D, D, acc);
+    batch_values<NV, TokenRows>(sp, n - n_direct, sc.vpad, t0 + n_direct - pad_from, D, acc);
   }
 }
 
@@ -472,6 +507,16 @@ void store_outputs(const Problem& P, const float* acc, const float* l, int64_t i
   }
 }
 
+// Rows [from, to) of a plane (addressed by Rows) into token-major rows at dst.
+template <class Rows>
+void copy_rows(const uint16_t* plane, int64_t from, int64_t to, int64_t D, uint16_t* dst) {
+  for (int64_t t = from; t < to; ++t, dst += D) {
+    const uint16_t* row = plane + Rows::row(t, D);
+    for (int64_t d = 0; d < D; ++d) dst[d] = row[Rows::dim(d)];
+  }
+}
+
+template <class KRows, class VRows>
 void run_item(const Problem& P, const Item& it, Scratch& sc) {
   const int64_t g = it.g, i0 = it.i0, D = P.D;
   const int nq = it.nq, h_lo = it.h_lo, h_n = it.h_n;
@@ -495,17 +540,19 @@ void run_item(const Problem& P, const Item& it, Scratch& sc) {
   const uint16_t* v_head = P.v + g * P.v_hstride;
   // Keys run up to t_end, after the kStep keys holding the last position (per register batch
   // below, the batch's last). When the item's last step reaches S (keys past S do not exist,
-  // and the broadcasts of row S - 1 read one element past it), it is read from a zero-padded
-  // copy instead; any other row is followed by a real one.
+  // or in a tiled plane hold stale values, and the broadcasts of row S - 1 read one element
+  // past it), it is read from a zero-padded token-major copy instead; any other row is
+  // followed by a real one (in a tiled plane too: the element after any of a row's is one of
+  // the rows up to the next, all below S).
   auto end_of = [](int64_t last) { return (last + kStep) / kStep * kStep; };
   const int64_t t_end = end_of(p_max);
   int64_t pad_from = std::numeric_limits<int64_t>::max();
   if (t_end >= P.S) {
     pad_from = t_end - kStep;
     const int64_t have = P.S - pad_from;
-    std::memcpy(sc.kpad, k_head + pad_from * D, have * D * 2);
+    copy_rows<KRows>(k_head, pad_from, P.S, D, sc.kpad);
     std::memset(sc.kpad + have * D, 0, (kStep + 1 - have) * D * 2);
-    std::memcpy(sc.vpad, v_head + pad_from * D, have * D * 2);
+    copy_rows<VRows>(v_head, pad_from, P.S, D, sc.vpad);
     std::memset(sc.vpad + have * D, 0, (kStep + 1 - have) * D * 2);
   }
   // Register batches of at most kMaxNV vectors, as even as possible. Each takes the blocks up
@@ -528,10 +575,18 @@ void run_item(const Problem& P, const Item& it, Scratch& sc) {
       if (t0 > bt.last) continue;
       const int n = static_cast<int>(std::min<int64_t>(kB, end_of(bt.last) - t0));
       switch (bt.size) {
-        case 4: run_block<4>(P, sc, k_head, v_head, bt.first, t0, n, bt.lo, pad_from); break;
-        case 3: run_block<3>(P, sc, k_head, v_head, bt.first, t0, n, bt.lo, pad_from); break;
-        case 2: run_block<2>(P, sc, k_head, v_head, bt.first, t0, n, bt.lo, pad_from); break;
-        default: run_block<1>(P, sc, k_head, v_head, bt.first, t0, n, bt.lo, pad_from); break;
+        case 4:
+          run_block<4, KRows, VRows>(P, sc, k_head, v_head, bt.first, t0, n, bt.lo, pad_from);
+          break;
+        case 3:
+          run_block<3, KRows, VRows>(P, sc, k_head, v_head, bt.first, t0, n, bt.lo, pad_from);
+          break;
+        case 2:
+          run_block<2, KRows, VRows>(P, sc, k_head, v_head, bt.first, t0, n, bt.lo, pad_from);
+          break;
+        default:
+          run_block<1, KRows, VRows>(P, sc, k_head, v_head, bt.first, t0, n, bt.lo, pad_from);
+          break;
       }
     }
   }
@@ -554,12 +609,13 @@ bool prefill_avx2_available() {
 }
 
 at::Tensor prefill_attention_avx2(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                  int64_t start, double scale) {
+                                  int64_t start, double scale, bool tiled) {
   TORCH_CHECK(prefill_avx2_available(),
               "prefill_attention_avx2: this build has no AVX2 kernel");
-  checks::prefill_inputs(q, k, v, start, scale, 8, "prefill_attention_avx2");
+  checks::prefill_inputs(q, k, v, start, scale, 8, "prefill_attention_avx2", tiled);
+  TORCH_CHECK(!tiled || q.size(2) == 64, "prefill_attention_avx2: tiled planes need head_dim 64");
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2), KVH = k.size(0);
-  const int64_t S = k.size(1);
+  const int64_t S = start + T;  // keys that exist (a tiled plane holds more rows)
   at::Tensor out = at::empty({T, H, D}, q.options());
 #ifdef ALIGNEDSERVE_PREFILL_AVX2
   if (T == 0) return out;
@@ -590,7 +646,11 @@ at::Tensor prefill_attention_avx2(const at::Tensor& q, const at::Tensor& k, cons
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     Scratch scratch(P);
     for (int64_t i = next.fetch_add(1); i < items; i = next.fetch_add(1)) {
-      run_item(P, item_at(i), scratch);
+      if (tiled) {
+        run_item<TiledKeys, TiledValues>(P, item_at(i), scratch);
+      } else {
+        run_item<TokenRows, TokenRows>(P, item_at(i), scratch);
+      }
     }
   });
 #endif
@@ -605,8 +665,9 @@ void register_prefill_avx2(pybind11::module_& m) {
         "True when this build has the AVX2 + FMA prefill kernel.");
   m.def("prefill_attention_avx2", &prefill_attention_avx2,
         "Causal attention of q [T, H, D] (absolute positions start..start+T-1) over k/v "
-        "[KVH, start+T, D] (bf16, AVX2 + FMA, fp32 arithmetic); batch-invariant.",
-        arg("q"), arg("k"), arg("v"), arg("start"), arg("scale"));
+        "[KVH, start+T, D], or a tiled cache's planes (tiled: [KVH, capacity, 64]) (bf16, "
+        "AVX2 + FMA, fp32 arithmetic); batch-invariant.",
+        arg("q"), arg("k"), arg("v"), arg("start"), arg("scale"), arg("tiled") = false);
 }
 
 }  // namespace alignedserve
