@@ -2,8 +2,9 @@
 
 ``build_app(engine, settings)`` makes the ASGI app (tests drive it in-process);
 ``listen_socket`` claims the port; ``serve_app`` runs the app on it under uvicorn with graceful
-shutdown; ``add_parser`` registers the CLI subcommand. fastapi/uvicorn and the engine are imported inside functions so that the CLI
-(which imports this module to build its parser) starts fast.
+shutdown; ``add_parser`` registers the CLI subcommand. fastapi/uvicorn and the engine are
+imported inside functions so that the CLI (which imports this module to build its parser)
+starts fast.
 
 Graceful shutdown on SIGTERM/SIGINT: uvicorn stops accepting connections and waits for open
 ones; we mark the server draining (new requests and /health answer 503) and, after
