@@ -15,8 +15,9 @@ cache straight into the products: 16 tokens of a head's scores come out together
 reshuffling per step. Whole blocks stay where the token-major layout has them, so slicing a
 plane by multiples of 16 tokens (growing a cache, copying it between tiers) works unchanged.
 
-Writers and readers other than the decode kernel go through :func:`write` and :func:`read`
-(prefill chunks, the reference decode path, tests).
+Writers and readers other than the compiled kernels go through :func:`write` and :func:`read`
+(prefill chunks, the reference decode path, tests); the kernels take the layout's addressing
+from ``csrc/tiled_layout.h``, which must agree with :data:`KEYS` and :data:`VALUES`.
 """
 
 from __future__ import annotations

@@ -66,6 +66,7 @@
 #endif
 
 #include "amx.h"  // defines ALIGNEDSERVE_AMX where the build targets AMX-BF16
+#include "tiled_layout.h"
 
 namespace alignedserve {
 namespace {
@@ -738,17 +739,16 @@ inline std::pair<const E*, const E*> item_rows(const Problem& P, const Item& it)
           reinterpret_cast<const E*>(P.v_base[it.row]) + off};
 }
 
-// Tiled bf16 caches (kv_layout.py): token t's K goes into column t % 16 of its 16-token block
-// ([dim/2][16][2]), its V into slot t % 2 of its token pair ([dim][2]). `plane` is the kv head's
-// [capacity, dim] plane.
+// Tiled bf16 caches (tiled_layout.h): token t's K goes into column t % 16 of its 16-token block,
+// its V into slot t % 2 of its token pair. `plane` is the kv head's [capacity, dim] plane.
 inline void put_key_tiled(uint16_t* plane, int64_t t, const uint16_t* k, int64_t dim) {
-  uint16_t* block = plane + t / 16 * 16 * dim + t % 16 * 2;
-  for (int64_t pair = 0; pair < dim / 2; ++pair) std::memcpy(block + pair * 32, k + 2 * pair, 4);
+  uint16_t* row = plane + tiled::key_row(t, dim);
+  for (int64_t d = 0; d < dim; d += 2) std::memcpy(row + tiled::key_dim(d), k + d, 4);
 }
 
 inline void put_value_tiled(uint16_t* plane, int64_t t, const uint16_t* v, int64_t dim) {
-  uint16_t* pair = plane + t / 2 * 2 * dim + t % 2;
-  for (int64_t d = 0; d < dim; ++d) pair[2 * d] = v[d];
+  uint16_t* row = plane + tiled::value_row(t, dim);
+  for (int64_t d = 0; d < dim; ++d) row[tiled::value_dim(d)] = v[d];
 }
 
 // Writes row `row`'s new K/V for kv head `g` at position pos[row]: k_new[row, g] / v_new[row, g]
@@ -883,7 +883,7 @@ void run_items(const Problem& P, const Plan& plan) {
 }
 
 // ----------------------------------------------------------------------------------------------
-// Tiled bf16 caches (layout: alignedserve/kernels/kv_layout.py). Each kv head's [capacity, 64]
+// Tiled bf16 caches (layout: tiled_layout.h, kv_layout.py). Each kv head's [capacity, 64]
 // plane keeps K in 16-token blocks stored [32 dim pairs][16 tokens][2] and V in token pairs
 // stored [64 dims][2 tokens]: pairs of the summed dimension side by side, which is what both
 // bf16 product instructions take, so K blocks and V pairs stream from the cache with no
@@ -907,8 +907,8 @@ void run_items(const Problem& P, const Plan& plan) {
 // kernels and torch's CPU flash attention do. Short rows gain less: each item then starts cold
 // streams, and its fixed costs (three passes, the V tail) weigh more.
 // ----------------------------------------------------------------------------------------------
-constexpr int64_t kTiledDim = 64;   // head_dim of the tiled layout (two 32-dim tiles)
-constexpr int64_t kKeyBlock = 16;   // tokens per K block: one score tile / vector
+constexpr int64_t kTiledDim = tiled::kDim;        // two 32-dim tiles
+constexpr int64_t kKeyBlock = tiled::kKeyBlock;  // one score tile / vector of tokens
 constexpr int64_t kPairBlock = 32;  // tokens per P.V round (a tile's pair depth)
 
 // One thread's share of a tiled call: it pulls the next-longest item until none are left (as

@@ -6,7 +6,7 @@
 //   k, v  : [KVH, S, D] bf16 with S == start + T, token rows dense (stride(2) == 1,
 //           stride(1) == D; stride(0) free, so a layer slice of a request's cache works).
 //           With tiled = true they are instead the planes of a tiled cache
-//           (alignedserve/executor/kv_layout.py), [KVH, capacity >= S, D], capacity % 16 == 0;
+//           (alignedserve/kernels/kv_layout.py), [KVH, capacity >= S, D], capacity % 16 == 0;
 //           K is then copied to token-major rows first (V is transposed either way).
 //   out   : [T, H, D] bf16 = softmax(scale * q.k) . v over keys 0..start+i of kv head
 //           h / (H / KVH). Scores, softmax and the accumulators are fp32; the probabilities are
@@ -450,7 +450,7 @@ void register_prefill(pybind11::module_& m) {
         "True when this build has the AMX prefill kernel and the OS granted AMX state.");
   m.def("prefill_attention", &prefill_attention,
         "Causal attention of q (absolute positions start..start+T-1) over k/v [KVH, S, D] "
-        "(bf16, AMX); tiled: k/v are a tiled cache's planes (alignedserve.executor.kv_layout).",
+        "(bf16, AMX); tiled: k/v are a tiled cache's planes (alignedserve.kernels.kv_layout).",
         arg("q"), arg("k"), arg("v"), arg("start"), arg("scale"), arg("tiled") = false);
 }
 

@@ -79,6 +79,7 @@
 #include <vector>
 
 #include "checks.h"
+#include "tiled_layout.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #define ALIGNEDSERVE_PREFILL_AVX2 1
@@ -204,13 +205,13 @@ struct TokenRows {  // token-major rows of D
   static int64_t row(int64_t t, int64_t D) { return t * D; }
   static int64_t dim(int64_t d) { return d; }
 };
-struct TiledKeys {  // 16-token blocks stored [32 dim pairs][16 tokens][2 dims] (D == 64)
-  static int64_t row(int64_t t, int64_t) { return (t >> 4) * (16 * 64) + (t & 15) * 2; }
-  static int64_t dim(int64_t d) { return (d >> 1) * 32 + (d & 1); }
+struct TiledKeys {  // a tiled K plane (tiled_layout.h)
+  static int64_t row(int64_t t, int64_t D) { return tiled::key_row(t, D); }
+  static int64_t dim(int64_t d) { return tiled::key_dim(d); }
 };
-struct TiledValues {  // token pairs stored [64 dims][2 tokens] (D == 64)
-  static int64_t row(int64_t t, int64_t) { return (t >> 1) * (2 * 64) + (t & 1); }
-  static int64_t dim(int64_t d) { return 2 * d; }
+struct TiledValues {  // a tiled V plane
+  static int64_t row(int64_t t, int64_t D) { return tiled::value_row(t, D); }
+  static int64_t dim(int64_t d) { return tiled::value_dim(d); }
 };
 
 // Q^T of head `head` for the chunk's queries i0 .. i0 + nq - 1 (lanes 0 .. nq - 1, nq <= 8);
