@@ -15,12 +15,16 @@ otherwise the first writes into fresh cache memory take page faults inside the p
 ``preallocate_kv=0`` to see the offline default.
 
 Per step kind it prints the steps' wall time, the part inside the forward pass, and the rest
-(scheduling, KV bookkeeping and copies, detokenizing), so policies can be compared.
+(scheduling, KV bookkeeping and copies, detokenizing), so policies can be compared. With
+``--parts`` it also times every kernel-layer call (each linear shape, attention and, inside
+it, the prefill kernel, the decode kernel and the cache writes, the norms, RoPE, sampling)
+and prints ms per step of each kind; the wrappers add about a microsecond a call.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import statistics
 import time
@@ -30,6 +34,10 @@ import numpy as np
 from alignedserve.bench.workloads import synthetic
 from alignedserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from alignedserve.engine import LLMEngine
+from alignedserve.executor.attention import StepAttention
+from alignedserve.kernels.dispatch import Kernels
+from alignedserve.kernels.linear import PackedLinear
+from alignedserve.model.sampler import Sampler
 from alignedserve.sampling_params import SamplingParams
 
 WORKLOADS = {
@@ -61,13 +69,64 @@ def engine_config(options: list[str]) -> EngineConfig:
                         cache=CacheConfig(**cache_kw))
 
 
+KINDS = ("prefill", "mixed", "decode")
+
+
+class PartTimer:
+    """Seconds per (step kind, part) of the engine's kernel-layer calls, through wrapped
+    methods. Parts nest (``attention`` contains the prefill and decode kernels and the cache
+    writes), so they do not add up to the step."""
+
+    def __init__(self) -> None:
+        self.step = collections.Counter()  # part -> seconds, in the current step
+        self.totals = {kind: collections.Counter() for kind in KINDS}
+
+    def wrap(self, owner: type, name: str, label) -> None:
+        """Time ``owner.name`` under ``label`` (a string, or a function of the call's args)."""
+        original = getattr(owner, name)
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                part = label(args) if callable(label) else label
+                self.step[part] += time.perf_counter() - start
+
+        setattr(owner, name, timed)
+
+    def end_step(self, kind: str) -> None:
+        self.totals[kind].update(self.step)
+        self.step.clear()
+
+    @classmethod
+    def installed(cls) -> PartTimer:
+        """A timer wrapped around every kernel-layer call the forward pass makes."""
+        timer = cls()
+
+        def shape(args) -> str:  # a linear's weight shape, out x in features
+            return "x".join(map(str, args[0].weight.shape))
+
+        timer.wrap(PackedLinear, "forward", lambda args: f"linear {shape(args)}")
+        timer.wrap(PackedLinear, "silu_mul", lambda args: f"linear+SiLU {shape(args)}")
+        for name in ("rms_norm", "add_rms_norm", "rotary_qkv", "argmax_rows", "write_tiled",
+                     "prefill_attention", "decode_attention"):
+            timer.wrap(Kernels, name, name)
+        timer.wrap(StepAttention, "__call__", "attention (all)")
+        timer.wrap(Sampler, "__call__", "sampler")
+        return timer
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--workload", choices=sorted(WORKLOADS), default="varied")
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--parts", action="store_true",
+                        help="also time each kernel-layer call per step kind")
     parser.add_argument("options", nargs="*", help="engine options, key=value")
     args = parser.parse_args()
+    timer = PartTimer.installed() if args.parts else None
     engine = LLMEngine(engine_config(args.options))
     workload = synthetic(WORKLOADS[args.workload], args.num_requests, args.seed)
     rng = np.random.default_rng(args.seed)
@@ -76,7 +135,7 @@ def main() -> None:
         engine.add_request(str(spec.index), prompt, SamplingParams(
             temperature=0.0, max_tokens=spec.output_len, ignore_eos=True))
     # kind -> [steps, wall s, forward-pass s, copy-wait s, copied bytes]
-    totals = {k: [0, 0.0, 0.0, 0.0, 0] for k in ("prefill", "mixed", "decode")}
+    totals = {k: [0, 0.0, 0.0, 0.0, 0] for k in KINDS}
     full_steps: list[tuple[float, int]] = []
     start = time.perf_counter()
     while engine.has_unfinished():
@@ -87,6 +146,8 @@ def main() -> None:
         kind = "decode" if not rec.prefill_tokens else "mixed" if rec.decode_rows else "prefill"
         for i, value in enumerate((1, dt, rec.compute_s, rec.copy_wait_s, rec.copy_bytes)):
             totals[kind][i] += value
+        if timer is not None:
+            timer.end_step(kind)
         if kind == "decode" and rec.decode_rows == args.num_requests:
             full_steps.append((dt, sum(b.kv_tokens for b in rec.batches)))
     wall = time.perf_counter() - start
@@ -104,6 +165,13 @@ def main() -> None:
         print(f"  full decode steps ({args.num_requests} rows): {len(full_steps)}, mean "
               f"{1e3 * statistics.mean(d for d, _ in full_steps):.1f} ms, mean KV tokens "
               f"{statistics.mean(k for _, k in full_steps):.0f}")
+    if timer is not None:
+        for kind in KINDS:
+            steps = totals[kind][0]
+            if steps:
+                print(f"  {kind} steps, ms per step:")
+                for part, seconds in timer.totals[kind].most_common():
+                    print(f"    {part:28s} {1e3 * seconds / steps:9.2f}")
 
 
 if __name__ == "__main__":
