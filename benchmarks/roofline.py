@@ -14,13 +14,19 @@ where each decode token reads its request's whole KV (layers x 2 x kv_heads x he
 elements). The sum is a floor on wall time (no scheduling, no sampling, no Python), so
 ``output tokens / floor`` is a ceiling on output tok/s. ``--kv-bytes 1`` prices an 8-bit KV.
 
+On a shared machine one measurement can be off by 10-20% either way (another tenant, a
+frequency change), so ``--rounds N`` measures every rate N times, rounds one after another,
+and prices the workload at each rate's median.
+
 Usage: python benchmarks/roofline.py [--workload varied|uniform] [--threads 2] [--kv-bytes 2]
-       [--path amx|avx512_bf16|avx2|reference]
+       [--path amx|avx512_bf16|avx2|reference] [--rounds 1]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import statistics
 import time
 
 import numpy as np
@@ -98,6 +104,42 @@ def causal_flops(c: ModelConfig, tokens: int) -> float:
     return 4.0 * c.num_heads * c.head_dim * (tokens * (tokens + 1) / 2) * c.num_layers
 
 
+@dataclasses.dataclass(frozen=True)
+class Rates:
+    """One round of measurements (bytes/s, s/token, s/step, FLOP/s)."""
+
+    read_bandwidth: float
+    prefill_per_token: float  # linears, per prompt token
+    decode_step: float  # linears + LM head of one decode step at `decode_rows` rows
+    attention_rate: float  # causal prefill attention, useful FLOPs/s
+    decode_rows: int
+
+    def __str__(self) -> str:
+        return (f"read {self.read_bandwidth / 1e9:.1f} GB/s; prefill linears "
+                f"{self.prefill_per_token * 1e6:.1f} us/token; decode linears+head at "
+                f"{self.decode_rows} rows {self.decode_step * 1e3:.1f} ms/step; causal prefill "
+                f"attention {self.attention_rate / 1e9:.0f} GFLOP/s")
+
+
+def measure(c: ModelConfig, kernels: Kernels, decode_rows: int) -> Rates:
+    """Every rate the floor is priced at, measured once."""
+    shapes = layer_shapes(c)
+    return Rates(
+        read_bandwidth=read_bandwidth(),
+        prefill_per_token=linear_time(4096, shapes, kernels) * c.num_layers / 4096,
+        decode_step=(linear_time(decode_rows, shapes, kernels) * c.num_layers
+                     + linear_time(decode_rows, [(c.hidden_size, c.vocab_size)], kernels)),
+        attention_rate=attention_rate(c, kernels),
+        decode_rows=decode_rows)
+
+
+def median_rates(rounds: list[Rates]) -> Rates:
+    """Each measured rate's median over the rounds."""
+    medians = {f.name: statistics.median(getattr(r, f.name) for r in rounds)
+               for f in dataclasses.fields(Rates) if f.name != "decode_rows"}
+    return Rates(**medians, decode_rows=rounds[0].decode_rows)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--workload", choices=sorted(WORKLOADS), nargs="+",
@@ -109,22 +151,22 @@ def main() -> None:
                         help="bytes per cached K/V element (2: bf16, 1: fp8)")
     parser.add_argument("--path", choices=PATHS, default=None,
                         help="kernel path (default: $ALIGNEDSERVE_ISA, else the CPU's best)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="measure every rate this many times and use the medians")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     kernels = select_kernels(args.path)
 
     c = read_gguf_config(default_model_path())  # the default model's shapes, no weights
-    shapes = layer_shapes(c)
-    bw = read_bandwidth()
-    prefill_per_token = linear_time(4096, shapes, kernels) * c.num_layers / 4096
-    decode_rows = args.num_requests
-    decode_step = (linear_time(decode_rows, shapes, kernels) * c.num_layers
-                   + linear_time(decode_rows, [(c.hidden_size, c.vocab_size)], kernels))
-    attn_rate = attention_rate(c, kernels)
-    print(f"kernel path {kernels.path}; measured: read {bw / 1e9:.1f} GB/s; prefill linears "
-          f"{prefill_per_token * 1e6:.1f} us/token; decode linears+head at {decode_rows} rows "
-          f"{decode_step * 1e3:.1f} ms/step; causal prefill attention "
-          f"{attn_rate / 1e9:.0f} GFLOP/s")
+    rounds = [measure(c, kernels, args.num_requests) for _ in range(args.rounds)]
+    for i, r in enumerate(rounds):
+        label = f" (round {i + 1})" if args.rounds > 1 else ""
+        print(f"kernel path {kernels.path}; measured{label}: {r}")
+    rates = median_rates(rounds)
+    if args.rounds > 1:
+        print(f"medians of {args.rounds} rounds: {rates}")
+    bw, prefill_per_token = rates.read_bandwidth, rates.prefill_per_token
+    decode_step, attn_rate = rates.decode_step, rates.attention_rate
 
     for name in args.workload:
         wl = synthetic(WORKLOADS[name], args.num_requests, args.seed)
