@@ -614,7 +614,8 @@ at::Tensor prefill_attention_avx2(const at::Tensor& q, const at::Tensor& k, cons
   TORCH_CHECK(prefill_avx2_available(),
               "prefill_attention_avx2: this build has no AVX2 kernel");
   checks::prefill_inputs(q, k, v, start, scale, 8, "prefill_attention_avx2", tiled);
-  TORCH_CHECK(!tiled || q.size(2) == 64, "prefill_attention_avx2: tiled planes need head_dim 64");
+  TORCH_CHECK(!tiled || q.size(2) == tiled::kDim,
+              "prefill_attention_avx2: tiled planes need head_dim ", tiled::kDim);
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2), KVH = k.size(0);
   const int64_t S = start + T;  // keys that exist (a tiled plane holds more rows)
   at::Tensor out = at::empty({T, H, D}, q.options());

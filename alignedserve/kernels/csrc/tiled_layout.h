@@ -14,11 +14,20 @@ namespace alignedserve::tiled {
 constexpr int64_t kDim = 64;       // the head_dim the compiled kernels read tiled planes at
 constexpr int64_t kKeyBlock = 16;  // tokens per K block (kv_layout.KEYS)
 
+// Positions and dims are never negative: as unsigned, / and % by the block sizes compile to
+// shifts and masks (the prefill kernels take these per key and per dim).
 inline int64_t key_row(int64_t t, int64_t dim) {
-  return t / kKeyBlock * (kKeyBlock * dim) + t % kKeyBlock * 2;
+  const auto u = static_cast<uint64_t>(t);
+  return static_cast<int64_t>(u / kKeyBlock * (kKeyBlock * dim) + u % kKeyBlock * 2);
 }
-inline int64_t key_dim(int64_t d) { return d / 2 * (2 * kKeyBlock) + d % 2; }
-inline int64_t value_row(int64_t t, int64_t dim) { return t / 2 * (2 * dim) + t % 2; }
+inline int64_t key_dim(int64_t d) {
+  const auto u = static_cast<uint64_t>(d);
+  return static_cast<int64_t>(u / 2 * (2 * kKeyBlock) + u % 2);
+}
+inline int64_t value_row(int64_t t, int64_t dim) {
+  const auto u = static_cast<uint64_t>(t);
+  return static_cast<int64_t>(u / 2 * (2 * dim) + u % 2);
+}
 inline int64_t value_dim(int64_t d) { return 2 * d; }
 
 }  // namespace alignedserve::tiled
