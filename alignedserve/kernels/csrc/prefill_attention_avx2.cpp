@@ -76,6 +76,7 @@
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <type_traits>
 #include <vector>
 
 #include "checks.h"
@@ -511,9 +512,13 @@ void store_outputs(const Problem& P, const float* acc, const float* l, int64_t i
 // Rows [from, to) of a plane (addressed by Rows) into token-major rows at dst.
 template <class Rows>
 void copy_rows(const uint16_t* plane, int64_t from, int64_t to, int64_t D, uint16_t* dst) {
-  for (int64_t t = from; t < to; ++t, dst += D) {
-    const uint16_t* row = plane + Rows::row(t, D);
-    for (int64_t d = 0; d < D; ++d) dst[d] = row[Rows::dim(d)];
+  if constexpr (std::is_same_v<Rows, TokenRows>) {  // already token-major: one block copy
+    if (to > from) std::memcpy(dst, plane + from * D, (to - from) * D * 2);
+  } else {
+    for (int64_t t = from; t < to; ++t, dst += D) {
+      const uint16_t* row = plane + Rows::row(t, D);
+      for (int64_t d = 0; d < D; ++d) dst[d] = row[Rows::dim(d)];
+    }
   }
 }
 

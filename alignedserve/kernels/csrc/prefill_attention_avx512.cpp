@@ -68,6 +68,7 @@
 
 #include "amx.h"  // exp2_nonpos, kMaskedScore (defined on every AVX-512 build)
 #include "checks.h"
+#include "tiled_layout.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define ALIGNEDSERVE_PREFILL_AVX512 1
@@ -173,9 +174,12 @@ void pack_queries(const Problem& P, int64_t i0, int nq, int64_t head, uint32_t* 
 
 // Raw scores of NK consecutive keys for NH heads: s[h] row kk = sum over dim pairs j of
 // Q^T[j] . (K[kk][2j], K[kk][2j+1]). The pair (K[kk][2j], K[kk][2j+1]) is word kk * D/2 + j of
-// `krows` (token-major rows) or, kTiled, word j * 16 + kk (`krows` points at the first key's
-// word in its 16-token block; the NK keys never cross a block). kMask: keys after a lane's
+// `krows` (token-major rows) or, kTiled, word j * kKeyBlock + kk (`krows` points at the first
+// key's word in its block of tiled::kKeyBlock tokens; the NK keys never cross a block). kMask: keys after a lane's
 // position get kMaskedScore.
+// In a tiled K block a key's dim pairs j and j + 1 are this many 32-bit words apart.
+constexpr int64_t kKeyWordStride = tiled::key_dim(2) / 2;
+
 template <int NH, int NK, bool kMask, bool kTiled>
 inline void block_scores(const uint32_t* const* qt, const uint16_t* krows, int64_t D,
                          float* const* s, __m512i qpos, int32_t key0, __m512* bmax) {
@@ -190,7 +194,7 @@ inline void block_scores(const uint32_t* const* qt, const uint16_t* krows, int64
     for (int h = 0; h < NH; ++h) qv[h] = as_bh(_mm512_load_si512(qt[h] + j * 16));
 #pragma GCC unroll 16
     for (int kk = 0; kk < NK; ++kk) {
-      const uint32_t word = kTiled ? kw[j * 16 + kk] : kw[kk * words + j];
+      const uint32_t word = kTiled ? kw[j * kKeyWordStride + kk] : kw[kk * words + j];
       const __m512bh kb = as_bh(_mm512_set1_epi32(static_cast<int>(word)));
 #pragma GCC unroll 3
       for (int h = 0; h < NH; ++h) acc[h][kk] = _mm512_dpbf16_ps(acc[h][kk], qv[h], kb);
@@ -316,7 +320,7 @@ void run_block(const Problem& P, Scratch& sc, const uint16_t* k_head, const uint
     // last rows. A tiled plane is read as it is up to the end of the block holding S - 1: its
     // keys from S on are in every lane's future (masked), or only lanes past T see them.
     const uint16_t* krows =
-        kTiled ? k_head + key / 16 * 16 * D + key % 16 * 2
+        kTiled ? k_head + tiled::key_row(key, D)
                : (key >= pad_from ? sc.kpad + (key - pad_from) * D : k_head + key * D);
     float* sc_rows[NH];
     for (int j = 0; j < NH; ++j) sc_rows[j] = s[j] + c * 16;

@@ -16,18 +16,18 @@ constexpr int64_t kKeyBlock = 16;  // tokens per K block (kv_layout.KEYS)
 
 // Positions and dims are never negative: as unsigned, / and % by the block sizes compile to
 // shifts and masks (the prefill kernels take these per key and per dim).
-inline int64_t key_row(int64_t t, int64_t dim) {
+constexpr int64_t key_row(int64_t t, int64_t dim) {
   const auto u = static_cast<uint64_t>(t);
   return static_cast<int64_t>(u / kKeyBlock * (kKeyBlock * dim) + u % kKeyBlock * 2);
 }
-inline int64_t key_dim(int64_t d) {
+constexpr int64_t key_dim(int64_t d) {
   const auto u = static_cast<uint64_t>(d);
   return static_cast<int64_t>(u / 2 * (2 * kKeyBlock) + u % 2);
 }
-inline int64_t value_row(int64_t t, int64_t dim) {
+constexpr int64_t value_row(int64_t t, int64_t dim) {
   const auto u = static_cast<uint64_t>(t);
   return static_cast<int64_t>(u / 2 * (2 * dim) + u % 2);
 }
-inline int64_t value_dim(int64_t d) { return 2 * d; }
+constexpr int64_t value_dim(int64_t d) { return 2 * d; }
 
 }  // namespace alignedserve::tiled
