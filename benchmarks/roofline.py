@@ -140,6 +140,44 @@ def median_rates(rounds: list[Rates]) -> Rates:
     return Rates(**medians, decode_rows=rounds[0].decode_rows)
 
 
+@dataclasses.dataclass(frozen=True)
+class Floor:
+    """A workload priced at one set of rates: seconds per part, and what they imply."""
+
+    prefill: float  # prompt linears + causal attention
+    decode_linears: float  # steps x (layers' linears + LM head) at full batch
+    kv_reads: float  # every decode token's whole-KV read at the read bandwidth
+    kv_bytes: float  # bytes those reads move
+    output_tokens: float
+
+    @property
+    def floor(self) -> float:
+        """Seconds: a lower bound on the workload's wall time."""
+        return self.prefill + self.decode_linears + self.kv_reads
+
+    @property
+    def ceiling(self) -> float:
+        """Output tokens per second: an upper bound on throughput."""
+        return self.output_tokens / self.floor
+
+
+def price(c: ModelConfig, rates: Rates, spec: str, num_requests: int, seed: int,
+          kv_bytes: float = 2.0) -> Floor:
+    """The floor of workload ``spec`` (``synthetic(...)`` syntax) at ``rates`` (module
+    docstring), with ``kv_bytes`` bytes per cached K/V element."""
+    wl = synthetic(spec, num_requests, seed)
+    prompts = np.array([r.prompt_len for r in wl.requests], dtype=np.float64)
+    outputs = np.array([r.output_len for r in wl.requests], dtype=np.float64)
+    prefill = prompts.sum() * rates.prefill_per_token + sum(
+        causal_flops(c, int(p)) for p in prompts) / rates.attention_rate
+    # Decode token j (0-based) of a request reads prompt + j cached tokens.
+    kv_tokens = float((outputs * prompts + outputs * (outputs - 1) / 2).sum())
+    moved = kv_tokens * c.num_layers * 2 * c.num_kv_heads * c.head_dim * kv_bytes
+    return Floor(prefill=prefill, decode_linears=outputs.max() * rates.decode_step,
+                 kv_reads=moved / rates.read_bandwidth, kv_bytes=moved,
+                 output_tokens=float(outputs.sum()))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--workload", choices=sorted(WORKLOADS), nargs="+",
@@ -165,26 +203,14 @@ def main() -> None:
     rates = median_rates(rounds)
     if args.rounds > 1:
         print(f"medians of {args.rounds} rounds: {rates}")
-    bw, prefill_per_token = rates.read_bandwidth, rates.prefill_per_token
-    decode_step, attn_rate = rates.decode_step, rates.attention_rate
 
     for name in args.workload:
-        wl = synthetic(WORKLOADS[name], args.num_requests, args.seed)
-        prompts = np.array([r.prompt_len for r in wl.requests], dtype=np.float64)
-        outputs = np.array([r.output_len for r in wl.requests], dtype=np.float64)
-        prefill = prompts.sum() * prefill_per_token + sum(
-            causal_flops(c, int(p)) for p in prompts) / attn_rate
-        # Decode token j (0-based) of a request reads prompt + j cached tokens.
-        kv_reads = float((outputs * prompts + outputs * (outputs - 1) / 2).sum())
-        steps = outputs.max()
         for kv_bytes in args.kv_bytes:
-            kv_token_bytes = c.num_layers * 2 * c.num_kv_heads * c.head_dim * kv_bytes
-            kv_time = kv_reads * kv_token_bytes / bw
-            floor = prefill + steps * decode_step + kv_time
-            print(f"{name} (KV {kv_bytes:g} B/elem): prefill {prefill:.1f} s, decode linears "
-                  f"{steps * decode_step:.1f} s, KV reads {kv_reads * kv_token_bytes / 1e9:.0f} GB "
-                  f"= {kv_time:.1f} s; floor {floor:.1f} s -> ceiling "
-                  f"{outputs.sum() / floor:.0f} output tok/s")
+            f = price(c, rates, WORKLOADS[name], args.num_requests, args.seed, kv_bytes)
+            print(f"{name} (KV {kv_bytes:g} B/elem): prefill {f.prefill:.1f} s, decode linears "
+                  f"{f.decode_linears:.1f} s, KV reads {f.kv_bytes / 1e9:.0f} GB "
+                  f"= {f.kv_reads:.1f} s; floor {f.floor:.1f} s -> ceiling "
+                  f"{f.ceiling:.0f} output tok/s")
 
 
 if __name__ == "__main__":

@@ -69,6 +69,18 @@ def engine_config(options: list[str]) -> EngineConfig:
                         cache=CacheConfig(**cache_kw))
 
 
+def add_workload(engine: LLMEngine, name: str, num_requests: int, seed: int) -> int:
+    """Submit workload ``name`` (random token-id prompts, greedy, exact output lengths) to
+    ``engine``, all at once; returns the output tokens it will produce."""
+    workload = synthetic(WORKLOADS[name], num_requests, seed)
+    rng = np.random.default_rng(seed)
+    for spec in workload.requests:
+        prompt = rng.integers(100, 40000, spec.prompt_len).tolist()
+        engine.add_request(str(spec.index), prompt, SamplingParams(
+            temperature=0.0, max_tokens=spec.output_len, ignore_eos=True))
+    return sum(r.output_len for r in workload.requests)
+
+
 KINDS = ("prefill", "mixed", "decode")
 
 
@@ -128,12 +140,7 @@ def main() -> None:
     args = parser.parse_args()
     timer = PartTimer.installed() if args.parts else None
     engine = LLMEngine(engine_config(args.options))
-    workload = synthetic(WORKLOADS[args.workload], args.num_requests, args.seed)
-    rng = np.random.default_rng(args.seed)
-    for spec in workload.requests:
-        prompt = rng.integers(100, 40000, spec.prompt_len).tolist()
-        engine.add_request(str(spec.index), prompt, SamplingParams(
-            temperature=0.0, max_tokens=spec.output_len, ignore_eos=True))
+    outputs = add_workload(engine, args.workload, args.num_requests, args.seed)
     # kind -> [steps, wall s, forward-pass s, copy-wait s, copied bytes]
     totals = {k: [0, 0.0, 0.0, 0.0, 0] for k in KINDS}
     full_steps: list[tuple[float, int]] = []
@@ -152,7 +159,6 @@ def main() -> None:
             full_steps.append((dt, sum(b.kv_tokens for b in rec.batches)))
     wall = time.perf_counter() - start
     engine.close()
-    outputs = sum(r.output_len for r in workload.requests)
     print(f"{args.workload} {' '.join(args.options)}: wall {wall:.1f} s, "
           f"{outputs / wall:.1f} output tok/s")
     for kind, (steps, seconds, forward, copy_wait, copied) in totals.items():
