@@ -43,6 +43,7 @@
 #include <vector>
 
 #include "amx.h"  // defines ALIGNEDSERVE_AMX where the build targets AMX-BF16
+#include "tiled_layout.h"
 
 namespace alignedserve {
 namespace {
@@ -348,8 +349,8 @@ at::Tensor transpose_values(const at::Tensor& v, int64_t s_pad) {
   return vt;
 }
 
-// The same from a tiled cache's V plane (token pairs stored [D][2]): V^T row d is the 32-bit
-// word d of every pair, so whole pairs move at once.
+// The same from a tiled cache's V plane (tiled_layout.h: token pairs stored [D][2]): V^T row
+// d is the 32-bit word holding dim d of every pair, so whole pairs move at once.
 at::Tensor transpose_values_tiled(const at::Tensor& v, int64_t S, int64_t s_pad) {
   const int64_t kvh = v.size(0), D = v.size(2), pairs = (S + 1) / 2;
   at::Tensor vt = at::zeros({kvh, D, s_pad}, v.options());
@@ -360,7 +361,9 @@ at::Tensor transpose_values_tiled(const at::Tensor& v, int64_t S, int64_t s_pad)
     for (int64_t i = lo; i < hi; ++i) {
       const int64_t g = i / D, d = i % D;
       uint32_t* row = dst + i * (s_pad / 2);
-      for (int64_t j = 0; j < pairs; ++j) row[j] = src[g * hs + j * D + d];
+      // Word offsets are element offsets / 2: every row and dim offset of a pair is even.
+      const uint32_t* dim = src + g * hs + tiled::value_dim(d) / 2;
+      for (int64_t j = 0; j < pairs; ++j) row[j] = dim[tiled::value_row(2 * j, D) / 2];
     }
   });
   if (S % 2) {  // the last pair's second token lies past S: zero it
@@ -370,21 +373,23 @@ at::Tensor transpose_values_tiled(const at::Tensor& v, int64_t S, int64_t s_pad)
   return vt;
 }
 
-// Token-major K rows [KVH, S, D] from a tiled cache's K plane (16-token blocks stored
-// [D/2][16][2]), for the A tiles of S^T = K . Q^T.
+// Token-major K rows [KVH, S, D] from a tiled cache's K plane (tiled_layout.h: blocks of
+// kKeyBlock tokens stored [D/2][kKeyBlock][2]), for the A tiles of S^T = K . Q^T.
 at::Tensor untile_keys(const at::Tensor& k, int64_t S) {
   const int64_t kvh = k.size(0), D = k.size(2);
   at::Tensor rows = at::empty({kvh, S, D}, k.options());
   const auto* src = reinterpret_cast<const uint32_t*>(k.data_ptr());
   auto* dst = reinterpret_cast<uint32_t*>(rows.data_ptr());
-  const int64_t hs = k.stride(0) / 2, blocks = (S + 15) / 16;
+  constexpr int64_t kBlock = tiled::kKeyBlock;
+  const int64_t hs = k.stride(0) / 2, blocks = (S + kBlock - 1) / kBlock;
   at::parallel_for(0, kvh * blocks, 16, [&](int64_t lo, int64_t hi) {
     for (int64_t i = lo; i < hi; ++i) {
-      const int64_t g = i / blocks, t0 = (i % blocks) * 16, t1 = std::min(S, t0 + 16);
-      const uint32_t* block = src + g * hs + t0 * D / 2;
+      const int64_t g = i / blocks, t0 = (i % blocks) * kBlock, t1 = std::min(S, t0 + kBlock);
       for (int64_t t = t0; t < t1; ++t) {
         uint32_t* row = dst + (g * S + t) * (D / 2);
-        for (int64_t p = 0; p < D / 2; ++p) row[p] = block[p * 16 + (t - t0)];
+        // Word offsets are element offsets / 2: a key's row and its dim pairs' offsets are even.
+        const uint32_t* key = src + g * hs + tiled::key_row(t, D) / 2;
+        for (int64_t p = 0; p < D / 2; ++p) row[p] = key[tiled::key_dim(2 * p) / 2];
       }
     }
   });
@@ -414,8 +419,9 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_in, const 
   // whole 16-token blocks.
   const int64_t S = tiled ? start + T : k_in.size(1);
   TORCH_CHECK(start >= 0 && S == start + T, "prefill_attention: need S == start + T");
-  TORCH_CHECK(!tiled || (k_in.size(1) >= S && k_in.size(1) % 16 == 0),
-              "prefill_attention: tiled k/v must hold start + T positions, capacity % 16 == 0");
+  TORCH_CHECK(!tiled || (k_in.size(1) >= S && k_in.size(1) % tiled::kKeyBlock == 0),
+              "prefill_attention: tiled k/v must hold start + T positions, capacity % ",
+              tiled::kKeyBlock, " == 0");
   at::Tensor out = at::empty({T, H, D}, q.options());
 #ifdef ALIGNEDSERVE_AMX
   if (T == 0) return out;
