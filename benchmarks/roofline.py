@@ -10,9 +10,10 @@ Measures, on this machine and with the threads torch is given:
 Then prices the workload as if every step ran at those rates with nothing else:
   prefill  = prompt tokens x linear time per token + causal attention FLOPs / SDPA rate
   decode   = steps x (decode linears + LM head at 64 rows) + KV bytes read / bandwidth
-where each decode token reads its request's whole KV (layers x 2 x kv_heads x head_dim
-elements). The sum is a floor on wall time (no scheduling, no sampling, no Python), so
-``output tokens / floor`` is a ceiling on output tok/s. ``--kv-bytes 1`` prices an 8-bit KV.
+where a request's first output token comes from its prefill, so it takes output - 1 decode
+steps, and each decode step reads the request's whole KV (layers x 2 x kv_heads x head_dim
+elements per cached token). The sum is a floor on wall time (no scheduling, no sampling, no
+Python), so ``output tokens / floor`` is a ceiling on output tok/s. ``--kv-bytes 1`` prices an 8-bit KV.
 
 On a shared machine one measurement can be off by 10-20% either way (another tenant, a
 frequency change), so ``--rounds N`` measures every rate N times, rounds one after another,
@@ -145,8 +146,8 @@ class Floor:
     """A workload priced at one set of rates: seconds per part, and what they imply."""
 
     prefill: float  # prompt linears + causal attention
-    decode_linears: float  # steps x (layers' linears + LM head) at full batch
-    kv_reads: float  # every decode token's whole-KV read at the read bandwidth
+    decode_linears: float  # decode steps x (layers' linears + LM head) at full batch
+    kv_reads: float  # every decode step's whole-KV reads at the read bandwidth
     kv_bytes: float  # bytes those reads move
     output_tokens: float
 
@@ -170,10 +171,12 @@ def price(c: ModelConfig, rates: Rates, spec: str, num_requests: int, seed: int,
     outputs = np.array([r.output_len for r in wl.requests], dtype=np.float64)
     prefill = prompts.sum() * rates.prefill_per_token + sum(
         causal_flops(c, int(p)) for p in prompts) / rates.attention_rate
-    # Decode token j (0-based) of a request reads prompt + j cached tokens.
-    kv_tokens = float((outputs * prompts + outputs * (outputs - 1) / 2).sum())
+    # Decode step j = 1 .. output - 1 of a request feeds output token j - 1 and attends over
+    # prompt + j cached tokens (the prefill sampled token 0).
+    steps = outputs - 1
+    kv_tokens = float((steps * prompts + steps * (steps + 1) / 2).sum())
     moved = kv_tokens * c.num_layers * 2 * c.num_kv_heads * c.head_dim * kv_bytes
-    return Floor(prefill=prefill, decode_linears=outputs.max() * rates.decode_step,
+    return Floor(prefill=prefill, decode_linears=steps.max() * rates.decode_step,
                  kv_reads=moved / rates.read_bandwidth, kv_bytes=moved,
                  output_tokens=float(outputs.sum()))
 
