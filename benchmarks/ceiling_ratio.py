@@ -9,9 +9,10 @@ carries that error. This tool alternates, in one process:
 where ``rates`` is ``roofline.measure`` (read bandwidth, linears, prefill attention) and a
 run submits the whole workload to one `LLMEngine` at once and steps it to the end (as
 ``step_breakdown.py`` does; the KV budget faulted in first, as ``serve`` runs). Run i is
-priced at the medians of the rates measured just before and just after it (``ratio``), and
-all runs at the medians of every measurement (``ratio vs all``). The engine is built once,
-so every run after the first finds it warm.
+priced at the better of each rate measured just before and just after it
+(``roofline.best_rates``: a slow phase in one measurement must not raise the run's share),
+and all runs together at the medians of every measurement. The engine is built once, so
+every run after the first finds it warm.
 
 Usage: python benchmarks/ceiling_ratio.py [--workload uniform varied] [--rounds 3]
        [key=value engine options, as for step_breakdown.py]
@@ -29,7 +30,7 @@ from alignedserve.engine import LLMEngine
 from alignedserve.kernels import select_kernels
 from alignedserve.model.default_model import default_model_path
 from alignedserve.model.loader import read_gguf_config
-from roofline import WORKLOADS, measure, median_rates, price
+from roofline import WORKLOADS, best_rates, measure, median_rates, price
 from step_breakdown import add_workload, engine_config
 
 
@@ -64,11 +65,11 @@ def main() -> None:
         for name in args.workload:
             tok_s = run_once(engine, name, args.num_requests, args.seed)
             rates.append(measure(c, kernels, args.num_requests))
-            around = median_rates(rates[-2:])
+            around = best_rates(rates[-2:])
             ceiling = price(c, around, WORKLOADS[name], args.num_requests, args.seed).ceiling
             results[name].append((tok_s, ceiling))
             print(f"{name} run {i}: {tok_s:.1f} output tok/s; ceiling around it {ceiling:.0f}; "
-                  f"ratio {tok_s / ceiling:.3f}", flush=True)
+                  f"share {tok_s / ceiling:.3f}", flush=True)
             print(f"rates {len(rates) - 1}: {rates[-1]}", flush=True)
     engine.close()
 
@@ -78,7 +79,7 @@ def main() -> None:
         ceiling = price(c, everything, WORKLOADS[name], args.num_requests, args.seed).ceiling
         speeds = [tok_s for tok_s, _ in runs]
         ratios = [tok_s / around for tok_s, around in runs]
-        print(f"{name}: runs {', '.join(f'{s:.1f}' for s in speeds)} output tok/s; ratio to "
+        print(f"{name}: runs {', '.join(f'{s:.1f}' for s in speeds)} output tok/s; share of "
               f"the ceiling around each run {', '.join(f'{r:.3f}' for r in ratios)} (median "
               f"{statistics.median(ratios):.3f}); median run / ceiling at the medians of all "
               f"measurements ({ceiling:.0f}): {statistics.median(speeds) / ceiling:.3f}")

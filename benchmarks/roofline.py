@@ -141,6 +141,16 @@ def median_rates(rounds: list[Rates]) -> Rates:
     return Rates(**medians, decode_rows=rounds[0].decode_rows)
 
 
+def best_rates(rounds: list[Rates]) -> Rates:
+    """Each measured rate's best over the rounds (fastest read, quickest linears, highest
+    attention rate): a slow phase of a shared machine cannot lower the price it sets."""
+    return Rates(read_bandwidth=max(r.read_bandwidth for r in rounds),
+                 prefill_per_token=min(r.prefill_per_token for r in rounds),
+                 decode_step=min(r.decode_step for r in rounds),
+                 attention_rate=max(r.attention_rate for r in rounds),
+                 decode_rows=rounds[0].decode_rows)
+
+
 @dataclasses.dataclass(frozen=True)
 class Floor:
     """A workload priced at one set of rates: seconds per part, and what they imply."""
