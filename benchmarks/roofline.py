@@ -13,7 +13,8 @@ Then prices the workload as if every step ran at those rates with nothing else:
 where a request's first output token comes from its prefill, so it takes output - 1 decode
 steps, and each decode step reads the request's whole KV (layers x 2 x kv_heads x head_dim
 elements per cached token). The sum is a floor on wall time (no scheduling, no sampling, no
-Python), so ``output tokens / floor`` is a ceiling on output tok/s. ``--kv-bytes 1`` prices an 8-bit KV.
+Python), so ``output tokens / floor`` is a ceiling on output tok/s. ``--kv-bytes 1`` prices an
+8-bit KV.
 
 On a shared machine one measurement can be off by 10-20% either way (another tenant, a
 frequency change), so ``--rounds N`` measures every rate N times, rounds one after another,

@@ -172,14 +172,14 @@ void pack_queries(const Problem& P, int64_t i0, int nq, int64_t head, uint32_t* 
   }
 }
 
-// Raw scores of NK consecutive keys for NH heads: s[h] row kk = sum over dim pairs j of
-// Q^T[j] . (K[kk][2j], K[kk][2j+1]). The pair (K[kk][2j], K[kk][2j+1]) is word kk * D/2 + j of
-// `krows` (token-major rows) or, kTiled, word j * kKeyBlock + kk (`krows` points at the first
-// key's word in its block of tiled::kKeyBlock tokens; the NK keys never cross a block). kMask: keys after a lane's
-// position get kMaskedScore.
 // In a tiled K block a key's dim pairs j and j + 1 are this many 32-bit words apart.
 constexpr int64_t kKeyWordStride = tiled::key_dim(2) / 2;
 
+// Raw scores of NK consecutive keys for NH heads: s[h] row kk = sum over dim pairs j of
+// Q^T[j] . (K[kk][2j], K[kk][2j+1]). The pair (K[kk][2j], K[kk][2j+1]) is word kk * D/2 + j of
+// `krows` (token-major rows) or, kTiled, word j * kKeyWordStride + kk (`krows` points at the
+// first key's word in its block of tiled::kKeyBlock tokens; the NK keys never cross a block).
+// kMask: keys after a lane's position get kMaskedScore.
 template <int NH, int NK, bool kMask, bool kTiled>
 inline void block_scores(const uint32_t* const* qt, const uint16_t* krows, int64_t D,
                          float* const* s, __m512i qpos, int32_t key0, __m512* bmax) {
