@@ -27,9 +27,6 @@ import time
 import torch
 
 from alignedserve.engine import LLMEngine
-from alignedserve.kernels import select_kernels
-from alignedserve.model.default_model import default_model_path
-from alignedserve.model.loader import read_gguf_config
 from roofline import WORKLOADS, best_rates, measure, median_rates, price
 from step_breakdown import add_workload, engine_config
 
@@ -54,8 +51,7 @@ def main() -> None:
     args = parser.parse_args()
     config = engine_config(args.options)
     engine = LLMEngine(config)  # sets torch's thread count from the config
-    kernels = select_kernels(None)
-    c = read_gguf_config(default_model_path())
+    kernels, c = engine.kernels, engine.loaded.config  # the rates are the engine's own path's
     print(f"kernel path {kernels.path}, {torch.get_num_threads()} threads")
 
     rates = [measure(c, kernels, args.num_requests)]

@@ -101,8 +101,9 @@ inline void prefill_inputs(const at::Tensor& q, const at::Tensor& k, const at::T
   TORCH_CHECK(v.stride(2) == 1 && (v.size(1) <= 1 || v.stride(1) == D),
               kernel, ": v token rows must be dense");
   if (tiled) {  // a tiled cache's planes: at least start + T positions, in whole K blocks
-    TORCH_CHECK(start >= 0 && k.size(1) >= start + T && k.size(1) % tiled::kKeyBlock == 0, kernel,
-                ": tiled k/v must hold start + T positions, capacity % 16 == 0");
+    TORCH_CHECK(start >= 0 && k.size(1) >= start + T && k.size(1) % tiled::kKeyBlock == 0,
+                kernel, ": tiled k/v must hold start + T positions, capacity % ",
+                tiled::kKeyBlock, " == 0");
   } else {
     TORCH_CHECK(start >= 0 && k.size(1) == start + T, kernel, ": need S == start + T");
   }
