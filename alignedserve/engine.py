@@ -23,6 +23,7 @@ from alignedserve.config import CacheConfig, EngineConfig, GiB
 from alignedserve.kernels import kernels_for_path, select_kernels
 from alignedserve.executor.kv_pool import KVPool
 from alignedserve.executor.runner import ModelRunner
+from alignedserve.executor.split_forward import SplitForward
 from alignedserve.kv.store import HOST, KVStore
 from alignedserve.model.config import ModelConfig
 from alignedserve.model.loader import LoadedModel, load_model
@@ -97,11 +98,23 @@ class LLMEngine:
                                  mc.max_position_embeddings)
         self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
         self.store, pool = self._build_kv(config.cache, mc)
-        self.executor = ModelRunner(self.loaded, pool, self.device, config.seed)
+        self.executor = ModelRunner(self.loaded, pool, self.device, config.seed,
+                                    self._split_forward())
         self.scheduler = make_scheduler(config.policy, config.scheduler, self.store)
         self.stats = StepStats()
         self._groups: dict[str, _Group] = {}
         self._seq_group: dict[str, _Group] = {}
+
+    def _split_forward(self) -> SplitForward | None:
+        """Two half-thread workers for split decode steps (``EngineConfig.split_decode``), where
+        they change no output: bf16 on a compiled CPU path, whose kernels give a row the same
+        result in any batch and with any thread count (torch's float32 matmuls do not promise
+        that, and float32 must match transformers token for token), with two threads or more."""
+        threads = torch.get_num_threads()
+        if (not self.config.split_decode or self.device.type != "cpu" or threads < 2
+                or self.kernels.ext is None or self.dtype != torch.bfloat16):
+            return None
+        return SplitForward((threads // 2, threads - threads // 2))
 
     def _build_kv(self, cache: CacheConfig, mc: ModelConfig) -> tuple[KVStore, KVPool]:
         """The KV bookkeeping (scheduler side) and the tensors that mirror it (runner side):

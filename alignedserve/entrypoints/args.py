@@ -30,6 +30,10 @@ def add_engine_args(parser: argparse.ArgumentParser, serving: bool = False) -> N
     g.add_argument("--policy", default="aligned", choices=["aligned", "fcfs", "static"],
                    help="scheduling policy: aligned (length-aligned cohorts, default), fcfs "
                         "(vLLM-like continuous batching), static (FasterTransformer-like)")
+    g.add_argument("--split-decode", action=argparse.BooleanOptionalAction, default=True,
+                   help="run decode-only steps of 32+ rows as two halves at once, each on half "
+                        "the threads, so one half's attention overlaps the other's linears "
+                        "(bf16 on a compiled CPU path; outputs unchanged)")
     g.add_argument("--seed", type=int, default=None, help="seed for requests without their own")
     g.add_argument("--max-model-len", type=int, default=None, help="context length cap")
     g.add_argument("--device-kv-gb", type=float, default=4.0, help="KV budget per device (GiB)")
@@ -81,7 +85,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
         device=args.device, num_threads=args.num_threads, kernel_path=args.kernel_path,
-        policy=args.policy, seed=args.seed, max_model_len=args.max_model_len,
+        policy=args.policy, split_decode=args.split_decode, seed=args.seed,
+        max_model_len=args.max_model_len,
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=args.max_num_batched_tokens,
                                   step_time_target_s=args.step_time_target,

@@ -1,24 +1,37 @@
 """``ModelRunner``: turns a StepPlan into one forward pass of the model and samples (the
-simulator's stand-in for it is ``sim/executor.py``)."""
+simulator's stand-in for it is ``sim/executor.py``). A decode-only step of at least
+``SPLIT_MIN_ROWS`` rows may run as two halves at once (``SplitForward``)."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 
 from alignedserve.executor.attention import PrefillSegment, StepAttention
 from alignedserve.executor.kv_pool import KVPool
+from alignedserve.executor.split_forward import SplitForward
 from alignedserve.model.loader import LoadedModel
 from alignedserve.model.sampler import Sampler, SamplingRow
 from alignedserve.request import Request
 from alignedserve.sched.plan import SampledToken, StepOutput, StepPlan
 
 
-class ModelRunner:
-    """Executes plans on a loaded model; owns the KV tensors and the per-request RNGs."""
+# Fewest decode rows a step splits at: each half's linears must stay bound by arithmetic (a
+# dozen rows or more), since each half streams every weight matrix on its own.
+SPLIT_MIN_ROWS = 32
 
-    def __init__(self, loaded: LoadedModel, pool: KVPool, device: torch.device, seed: int | None):
+
+class ModelRunner:
+    """Executes plans on a loaded model; owns the KV tensors and the per-request RNGs.
+
+    ``split``: run large decode-only steps as two halves at once (see `SplitForward`), each
+    on half of the intra-op threads; None runs every step as one batch.
+    """
+
+    def __init__(self, loaded: LoadedModel, pool: KVPool, device: torch.device, seed: int | None,
+                 split: SplitForward | None = None):
         self.loaded = loaded
         self.model = loaded.model
         self.pool = pool
@@ -27,6 +40,7 @@ class ModelRunner:
         self.sampler = Sampler(seed, self.kernels)
         self.scale = loaded.config.head_dim ** -0.5
         self._generators: dict[str, torch.Generator] = {}
+        self.split = split
 
     def execute(self, plan: StepPlan) -> StepOutput:
         waited, copied = self.pool.apply(plan.kv_ops)
@@ -62,12 +76,10 @@ class ModelRunner:
             ids.append(request.output_token_ids[-1])
             samplers.append(request)
         positions += decode_positions
-        attn = StepAttention(self.kernels, segments, [self.pool.get(r.kv) for r in decode],
-                             torch.tensor(decode_positions, dtype=torch.int64), self.scale,
-                             self.pool.tiled)
-        input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
-        pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
-        hidden = self.model(input_ids, pos, attn)
+        if self.split is not None and not segments and len(decode) >= SPLIT_MIN_ROWS:
+            hidden = self._split_hidden(ids, decode)
+        else:
+            hidden = self._hidden(segments, ids, positions, decode)
         if not samplers:
             return {}
         # sample_at is increasing, so as many entries as tokens means every row, in order (a
@@ -81,6 +93,30 @@ class ModelRunner:
             for i, r in enumerate(samplers)
         }
 
+    def _hidden(self, segments: list[PrefillSegment], ids: list[int], positions: list[int],
+                decode: list[Request]) -> torch.Tensor:
+        """Final hidden states of the flattened tokens: prefill chunks, then decode rows
+        (the last ``len(decode)`` of ``ids`` / ``positions``)."""
+        decode_positions = positions[len(positions) - len(decode):]
+        attn = StepAttention(self.kernels, segments, [self.pool.get(r.kv) for r in decode],
+                             torch.tensor(decode_positions, dtype=torch.int64), self.scale,
+                             self.pool.tiled)
+        input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
+        pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
+        return self.model(input_ids, pos, attn)
+
+    def _split_hidden(self, ids: list[int], decode: list[Request]) -> torch.Tensor:
+        """`_hidden` of a decode-only step as two halves at once: alternate rows, so both get
+        as many rows and, rows being in any order, about as many cached tokens."""
+        def half(i: int) -> Callable[[], torch.Tensor]:
+            half_ids, rows = ids[i::2], decode[i::2]
+            return lambda: self._hidden([], half_ids, [r.num_tokens - 1 for r in rows], rows)
+
+        first, second = self.split.run(half(0), half(1))
+        hidden = first.new_empty((len(ids), first.shape[1]))
+        hidden[0::2], hidden[1::2] = first, second
+        return hidden
+
     def _row(self, request: Request) -> SamplingRow:
         generator = None
         if request.params.seed is not None:
@@ -93,3 +129,5 @@ class ModelRunner:
 
     def close(self) -> None:
         self.pool.close()
+        if self.split is not None:
+            self.split.close()

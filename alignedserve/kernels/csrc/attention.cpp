@@ -66,6 +66,7 @@
 #endif
 
 #include "amx.h"  // defines ALIGNEDSERVE_AMX where the build targets AMX-BF16
+#include "release_gil.h"
 #include "tiled_layout.h"
 
 namespace alignedserve {
@@ -1611,12 +1612,12 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_new,
 }  // namespace
 
 void register_attention(pybind11::module_& m) {
-  m.def("decode_attention", &decode_attention,
+  m.def("decode_attention", &decode_attention, kReleaseGil,
         "Write the new K/V of every row into its cache, then attend q over positions 0..pos.",
         pybind11::arg("q"), pybind11::arg("k_new"), pybind11::arg("v_new"),
         pybind11::arg("caches"), pybind11::arg("positions"), pybind11::arg("layer"),
         pybind11::arg("scale"), pybind11::arg("tiled") = false);
-  m.def("write_tiled", &write_tiled,
+  m.def("write_tiled", &write_tiled, kReleaseGil,
         "Store k, v [T, kv_heads, head_dim] at positions start.. of a tiled bf16 cache's layer.",
         pybind11::arg("cache"), pybind11::arg("layer"), pybind11::arg("k"), pybind11::arg("v"),
         pybind11::arg("start"));

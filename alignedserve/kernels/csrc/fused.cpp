@@ -38,6 +38,7 @@
 #include <tuple>
 #include <vector>
 
+#include "release_gil.h"
 #include "vec.h"  // Vec, vload / vstore / vround, vexp, bf16 helpers
 
 namespace alignedserve {
@@ -428,32 +429,36 @@ std::optional<std::vector<int64_t>> try_argmax_rows(const at::Tensor& logits) {
 
 void register_fused(pybind11::module_& m) {
   using pybind11::arg;
-  m.def("rms_norm", &rms_norm, "out = r(w * r(x * rsqrt(mean(x^2) + eps))) per row (bf16).",
+  m.def("rms_norm", &rms_norm, kReleaseGil,
+        "out = r(w * r(x * rsqrt(mean(x^2) + eps))) per row (bf16).",
         arg("x"), arg("weight"), arg("eps"));
-  m.def("add_rms_norm", &add_rms_norm,
+  m.def("add_rms_norm", &add_rms_norm, kReleaseGil,
         "residual = r(residual + x) in place, then return rms_norm(residual) (bf16).", arg("x"),
         arg("residual"), arg("weight"), arg("eps"));
-  m.def("rotary_qkv_", &rotary_qkv_,
+  m.def("rotary_qkv_", &rotary_qkv_, kReleaseGil,
         "Rotate-half RoPE in place on the q and k heads of each fused qkv row (bf16).",
         arg("qkv"), arg("cos"), arg("sin"), arg("num_heads"), arg("num_kv_heads"),
         arg("head_dim"));
-  m.def("silu_mul", &silu_mul, "r(r(silu(gate)) * up) for gate_up = [gate | up] rows (bf16).",
+  m.def("silu_mul", &silu_mul, kReleaseGil,
+        "r(r(silu(gate)) * up) for gate_up = [gate | up] rows (bf16).",
         arg("gate_up"));
-  m.def("try_rms_norm", &try_rms_norm, "rms_norm, or None where it does not take the inputs.",
+  m.def("try_rms_norm", &try_rms_norm, kReleaseGil,
+        "rms_norm, or None where it does not take the inputs.",
         arg("x"), arg("weight"), arg("eps"));
-  m.def("try_add_rms_norm", &try_add_rms_norm,
+  m.def("try_add_rms_norm", &try_add_rms_norm, kReleaseGil,
         "add_rms_norm, or None where it does not take the inputs.", arg("x"), arg("residual"),
         arg("weight"), arg("eps"));
-  m.def("try_rotary_qkv", &try_rotary_qkv,
+  m.def("try_rotary_qkv", &try_rotary_qkv, kReleaseGil,
         "rotary_qkv_ (cos / sin also [T, 1, D/2]), then views (q, k, v) of qkv; or None where "
         "it does not take the inputs.",
         arg("qkv"), arg("cos"), arg("sin"), arg("num_heads"), arg("num_kv_heads"),
         arg("head_dim"));
-  m.def("try_silu_mul", &try_silu_mul, "silu_mul, or None where it does not take the input.",
+  m.def("try_silu_mul", &try_silu_mul, kReleaseGil,
+        "silu_mul, or None where it does not take the input.",
         arg("gate_up"));
-  m.def("try_argmax_rows", &try_argmax_rows,
+  m.def("try_argmax_rows", &try_argmax_rows, kReleaseGil,
         "argmax_rows as a list, or None where it does not take the logits.", arg("logits"));
-  m.def("argmax_rows", &argmax_rows,
+  m.def("argmax_rows", &argmax_rows, kReleaseGil,
         "First argmax of each bf16 row (int64); -1 where the row holds a NaN.", arg("logits"));
 }
 

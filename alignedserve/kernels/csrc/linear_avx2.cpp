@@ -66,6 +66,7 @@
 #include <vector>
 
 #include "checks.h"
+#include "release_gil.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #define ALIGNEDSERVE_LINEAR_AVX2 1
@@ -408,11 +409,11 @@ void register_linear_avx2(pybind11::module_& m) {
   using pybind11::arg;
   m.def("linear_avx2_available", &available,
         "True when this build has the AVX2 + FMA linear kernel.");
-  m.def("pack_weight_avx2", &pack_weight_avx2,
+  m.def("pack_weight_avx2", &pack_weight_avx2, kReleaseGil,
         "W [N, K] bf16 -> the 1-d packed layout linear_avx2 takes (16-column panels of "
         "pair-interleaved depth steps, then a trailer holding N and K).",
         arg("weight"));
-  m.def("linear_avx2", &linear_avx2,
+  m.def("linear_avx2", &linear_avx2, kReleaseGil,
         "y = x . W^T + bias in bf16 (fp32 FMA accumulation in depth order, one rounding); a "
         "row's result does not depend on the batch it is in.",
         arg("x"), arg("packed"), arg("bias") = pybind11::none());

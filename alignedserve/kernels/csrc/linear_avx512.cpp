@@ -59,6 +59,7 @@
 #include <utility>
 
 #include "checks.h"
+#include "release_gil.h"
 #include "vec.h"  // the SwiGLU epilogue: silu_mul's arithmetic
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
@@ -379,11 +380,11 @@ void register_linear_avx512(pybind11::module_& m) {
   using pybind11::arg;
   m.def("linear_avx512_available", &available,
         "True when this build has the AVX512-BF16 linear kernel.");
-  m.def("pack_weight_avx512", &pack_weight_avx512,
+  m.def("pack_weight_avx512", &pack_weight_avx512, kReleaseGil,
         "W [N, K] bf16 -> the 1-d packed layout linear_avx512 takes (64-column panels of "
         "pair-interleaved depth steps, then a trailer holding N and K).",
         arg("weight"));
-  m.def("linear_avx512", &linear_avx512,
+  m.def("linear_avx512", &linear_avx512, kReleaseGil,
         "y = x . W^T + bias in bf16 (fp32 accumulation, one rounding); a row's result does "
         "not depend on the batch it is in. swiglu: W is a block-interleaved [gate | up] "
         "projection and the result is silu(gate) * up [M, N / 2].",

@@ -43,6 +43,7 @@
 #include <vector>
 
 #include "amx.h"  // defines ALIGNEDSERVE_AMX where the build targets AMX-BF16
+#include "release_gil.h"
 #include "tiled_layout.h"
 
 namespace alignedserve {
@@ -454,7 +455,7 @@ void register_prefill(pybind11::module_& m) {
   using pybind11::arg;
   m.def("prefill_attention_available", &amx::available,
         "True when this build has the AMX prefill kernel and the OS granted AMX state.");
-  m.def("prefill_attention", &prefill_attention,
+  m.def("prefill_attention", &prefill_attention, kReleaseGil,
         "Causal attention of q (absolute positions start..start+T-1) over k/v [KVH, S, D] "
         "(bf16, AMX); tiled: k/v are a tiled cache's planes (alignedserve.kernels.kv_layout).",
         arg("q"), arg("k"), arg("v"), arg("start"), arg("scale"), arg("tiled") = false);

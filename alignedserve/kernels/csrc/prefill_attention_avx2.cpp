@@ -80,6 +80,7 @@
 #include <vector>
 
 #include "checks.h"
+#include "release_gil.h"
 #include "tiled_layout.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -670,7 +671,7 @@ void register_prefill_avx2(pybind11::module_& m) {
   using pybind11::arg;
   m.def("prefill_attention_avx2_available", &prefill_avx2_available,
         "True when this build has the AVX2 + FMA prefill kernel.");
-  m.def("prefill_attention_avx2", &prefill_attention_avx2,
+  m.def("prefill_attention_avx2", &prefill_attention_avx2, kReleaseGil,
         "Causal attention of q [T, H, D] (absolute positions start..start+T-1) over k/v "
         "[KVH, start+T, D], or a tiled cache's planes (tiled: [KVH, capacity, 64]) (bf16, "
         "AVX2 + FMA, fp32 arithmetic); batch-invariant.",

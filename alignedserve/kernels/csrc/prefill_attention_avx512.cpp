@@ -68,6 +68,7 @@
 
 #include "amx.h"  // exp2_nonpos, kMaskedScore (defined on every AVX-512 build)
 #include "checks.h"
+#include "release_gil.h"
 #include "tiled_layout.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
@@ -552,7 +553,7 @@ void register_prefill_avx512(pybind11::module_& m) {
   using pybind11::arg;
   m.def("prefill_attention_avx512_available", &prefill_avx512_available,
         "True when this build has the AVX512-BF16 prefill kernel.");
-  m.def("prefill_attention_avx512", &prefill_attention_avx512,
+  m.def("prefill_attention_avx512", &prefill_attention_avx512, kReleaseGil,
         "Causal attention of q [T, H, D] (absolute positions start..start+T-1) over k/v "
         "[KVH, start+T, D] (bf16, AVX512-BF16), or a tiled cache's planes (tiled: [KVH, "
         ">= start+T, D], kv_layout.py); batch-invariant.",

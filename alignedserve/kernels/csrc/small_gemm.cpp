@@ -36,6 +36,7 @@
 #include <optional>
 
 #include "amx.h"  // defines ALIGNEDSERVE_AMX where the build targets AMX-BF16
+#include "release_gil.h"
 
 namespace alignedserve {
 namespace {
@@ -195,10 +196,11 @@ void register_small_gemm(pybind11::module_& m) {
   using pybind11::arg;
   m.def("amx_linear_available", &amx::available,
         "True when this build has the AMX small-batch linear and the OS granted AMX state.");
-  m.def("pack_weight", &pack_weight,
+  m.def("pack_weight", &pack_weight, kReleaseGil,
         "W [N, K] bf16 -> [N/16, K/32, 16, 16, 2], the tile layout amx_linear takes.",
         arg("weight"));
-  m.def("amx_linear", &amx_linear, "y = x . W^T + bias on AMX, for small batches (bf16).",
+  m.def("amx_linear", &amx_linear, kReleaseGil,
+        "y = x . W^T + bias on AMX, for small batches (bf16).",
         arg("x"), arg("packed"), arg("bias"));
 }
 
