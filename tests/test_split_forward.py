@@ -10,9 +10,9 @@ import time
 import pytest
 import torch
 
-from alignedserve.config import EngineConfig
+from alignedserve.config import EngineConfig, SchedulerConfig
 from alignedserve.engine import LLMEngine
-from alignedserve.executor.runner import SPLIT_MIN_ROWS
+from alignedserve.executor.runner import SPLIT_MIN_ROWS, ModelRunner
 from alignedserve.executor.split_forward import SplitForward
 from alignedserve.kernels.linear import PackedLinear
 from alignedserve.sampling_params import SamplingParams
@@ -94,34 +94,44 @@ def test_compiled_kernels_release_the_gil(compiled):
 
 @pytest.mark.model
 @pytest.mark.parametrize("path", kernel_path_params(("amx", "avx512_bf16", "avx2")))
-def test_split_decode_steps_give_the_same_tokens(default_model_fp32, path, monkeypatch):
-    """A batch big enough to split, generated with the split on and off: the same tokens, and
-    the split did run."""
+def test_split_steps_give_the_same_tokens(default_model_fp32, path, monkeypatch):
+    """Forty requests decoding together while four more arrive (their prompts cut into chunks
+    beside the decode rows), generated with the split on and off: the same tokens, and both
+    decode-only and mixed steps were split."""
     doc = document(default_model_fp32.tokenizer)
-    lengths = [17 + (i * 53) % 400 for i in range(SPLIT_MIN_ROWS + 8)]
-    prompts = [doc[i * 7:i * 7 + n] for i, n in enumerate(lengths)]
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    splits = [0]
-    run = SplitForward.run
+    rows = SPLIT_MIN_ROWS + 8
+    first = [doc[i * 7:i * 7 + 12 + i % 9] for i in range(rows)]
+    late = [doc[300 + i * 11:300 + i * 11 + 45 + 7 * i] for i in range(4)]
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    split_kinds: list[bool] = []  # per split step: whether it had a prompt part
+    split_hidden = ModelRunner._split_hidden
 
-    def counted(self, first, second):
-        splits[0] += 1
-        return run(self, first, second)
+    def spy(self, segments, ids, positions, decode):
+        split_kinds.append(bool(segments))
+        return split_hidden(self, segments, ids, positions, decode)
 
-    monkeypatch.setattr(SplitForward, "run", counted)
+    monkeypatch.setattr(ModelRunner, "_split_hidden", spy)
     tokens = {}
     for split in (True, False):
-        engine = LLMEngine(EngineConfig(kernel_path=path, split_decode=split, num_threads=2,
-                                        policy="fcfs"))  # one batch of all rows
+        # fcfs: all rows in one decode batch; the token budget leaves a prompt part of at
+        # most half the decode rows once all forty decode.
+        engine = LLMEngine(EngineConfig(
+            kernel_path=path, split_decode=split, num_threads=2, policy="fcfs",
+            scheduler=SchedulerConfig(max_num_batched_tokens=rows + rows // 2)))
         assert (engine.executor.split is not None) == split
-        for i, prompt in enumerate(prompts):
-            engine.add_request(str(i), prompt, params)
-        outputs = {}
+        for i, prompt in enumerate(first):
+            engine.add_request(f"r{i}", prompt, params)
+        outputs, steps = {}, 0
         while engine.has_unfinished():
+            if steps == 16:
+                for i, prompt in enumerate(late):
+                    engine.add_request(f"late{i}", prompt, params)
             for out in engine.step():
                 if out.finished:
                     outputs[out.request_id] = out.outputs[0].token_ids
+            steps += 1
         engine.close()
         tokens[split] = outputs
-    assert splits[0] > 0, "no step was split"
+    assert False in split_kinds and True in split_kinds, split_kinds
+    assert len(tokens[True]) == rows + len(late)
     assert tokens[True] == tokens[False]

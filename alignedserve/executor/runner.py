@@ -1,6 +1,6 @@
 """``ModelRunner``: turns a StepPlan into one forward pass of the model and samples (the
-simulator's stand-in for it is ``sim/executor.py``). A decode-only step of at least
-``SPLIT_MIN_ROWS`` rows may run as two halves at once (``SplitForward``)."""
+simulator's stand-in for it is ``sim/executor.py``). A step of at least ``SPLIT_MIN_ROWS``
+decode rows and a small prompt part may run as two halves at once (``SplitForward``)."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ SPLIT_MIN_ROWS = 32
 class ModelRunner:
     """Executes plans on a loaded model; owns the KV tensors and the per-request RNGs.
 
-    ``split``: run large decode-only steps as two halves at once (see `SplitForward`), each
+    ``split``: run steps of many decode rows as two halves at once (see `SplitForward`), each
     on half of the intra-op threads; None runs every step as one batch.
     """
 
@@ -76,8 +76,8 @@ class ModelRunner:
             ids.append(request.output_token_ids[-1])
             samplers.append(request)
         positions += decode_positions
-        if self.split is not None and not segments and len(decode) >= SPLIT_MIN_ROWS:
-            hidden = self._split_hidden(ids, decode)
+        if self.split is not None and self._splits(len(ids) - len(decode), len(decode)):
+            hidden = self._split_hidden(segments, ids, positions, decode)
         else:
             hidden = self._hidden(segments, ids, positions, decode)
         if not samplers:
@@ -93,6 +93,12 @@ class ModelRunner:
             for i, r in enumerate(samplers)
         }
 
+    @staticmethod
+    def _splits(prompt_tokens: int, decode_rows: int) -> bool:
+        """Whether a step of this shape runs as two halves: enough decode rows, and a prompt
+        part small enough (at most half the rows) that the halves can be balanced."""
+        return decode_rows >= SPLIT_MIN_ROWS and 2 * prompt_tokens <= decode_rows
+
     def _hidden(self, segments: list[PrefillSegment], ids: list[int], positions: list[int],
                 decode: list[Request]) -> torch.Tensor:
         """Final hidden states of the flattened tokens: prefill chunks, then decode rows
@@ -105,16 +111,27 @@ class ModelRunner:
         pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
         return self.model(input_ids, pos, attn)
 
-    def _split_hidden(self, ids: list[int], decode: list[Request]) -> torch.Tensor:
-        """`_hidden` of a decode-only step as two halves at once: alternate rows, so both get
-        as many rows and, rows being in any order, about as many cached tokens."""
-        def half(i: int) -> Callable[[], torch.Tensor]:
-            half_ids, rows = ids[i::2], decode[i::2]
-            return lambda: self._hidden([], half_ids, [r.num_tokens - 1 for r in rows], rows)
+    def _split_hidden(self, segments: list[PrefillSegment], ids: list[int],
+                      positions: list[int], decode: list[Request]) -> torch.Tensor:
+        """`_hidden` as two halves at once. The first half takes the prompt chunks (P tokens);
+        of the decode rows, the first P go to the second half and the rest alternate, so both
+        halves get about as many tokens and, rows being in any order, as many cached ones."""
+        prompt = len(ids) - len(decode)  # at most half the decode rows (_splits)
+        rows = list(range(len(decode)))
+        halves = (rows[prompt::2], rows[:prompt] + rows[prompt + 1::2])
 
-        first, second = self.split.run(half(0), half(1))
+        def run(i: int) -> Callable[[], torch.Tensor]:
+            own = halves[i]
+            at = list(range(prompt)) if i == 0 else []
+            at += [prompt + r for r in own]
+            return lambda: self._hidden(segments if i == 0 else [], [ids[j] for j in at],
+                                        [positions[j] for j in at], [decode[r] for r in own])
+
+        first, second = self.split.run(run(0), run(1))
         hidden = first.new_empty((len(ids), first.shape[1]))
-        hidden[0::2], hidden[1::2] = first, second
+        hidden[:prompt] = first[:prompt]
+        for half, out in zip(halves, (first[prompt:], second)):
+            hidden[torch.tensor(half, dtype=torch.int64) + prompt] = out
         return hidden
 
     def _row(self, request: Request) -> SamplingRow:
