@@ -93,9 +93,10 @@ class EngineConfig:
     # reference; None takes $ALIGNEDSERVE_ISA, else the best this CPU supports.
     kernel_path: str | None = None
     policy: str = "aligned"
-    # Run large decode-only steps as two halves at once, each on half the threads (CPU, two
-    # threads or more; executor/split_forward.py): one half's attention overlaps the other's
-    # linears. Outputs are the same either way.
+    # Run steps of many decode rows as two halves at once, each on half the threads (bf16 on
+    # a compiled CPU path, two threads or more; executor/split_forward.py): one half's
+    # attention overlaps the other's linears. Outputs are the same either way. `serve` turns
+    # it off by default (docs/architecture.md, "Split decode steps").
     split_decode: bool = True
     seed: int | None = None
     max_model_len: int | None = None  # None: the model's own context length

@@ -8,7 +8,7 @@
 # NAME-flat (aligned-flat, fcfs-flat) ours with token-major bf16 caches (--no-tiled-kv), and
 # aligned-arrival the aligned policy admitting in arrival order (--admission fcfs), and
 # NAME-4k ours with KV caches and weights on 4 KiB pages (ALIGNEDSERVE_HUGE_PAGES=0), and
-# NAME-nosplit ours with every step run as one batch (--no-split-decode), and
+# NAME-split ours with steps of many decode rows run as two halves at once (--split-decode), and
 # vllm-aligned vLLM with our scheduler plug-in (docs/vllm_plugin.md; its per-step records go
 # to OUTDIR/vllm-aligned-stats.jsonl), and replicasN-ROUTER ours as N engine replicas on Ray
 # Serve sharing the machine's cores (serve --replicas N --router ROUTER, ROUTER one of kv,
@@ -45,14 +45,14 @@ start() {  # target -> sets PID and PORT
   engine=${engine%-flat}
   engine=${engine%-arrival}
   engine=${engine%-4k}
-  engine=${engine%-nosplit}
+  engine=${engine%-split}
   [[ $1 == vllm-aligned ]] && engine=vllm && kv=(--scheduler-cls
     alignedserve.integrations.vllm.AlignedScheduler) && envs=(PYTHONPATH="$PWD"
     ALIGNEDSERVE_VLLM_STATS="$(cd "$OUT" && pwd)/vllm-aligned-stats.jsonl")
   [[ $1 == *-fp8 ]] && kv=(--kv-cache-dtype fp8_e5m2)
   [[ $1 == *-flat ]] && kv=(--no-tiled-kv)
   [[ $1 == *-arrival ]] && kv=(--admission fcfs)
-  [[ $1 == *-nosplit ]] && kv=(--no-split-decode)
+  [[ $1 == *-split ]] && kv=(--split-decode)
   [[ $1 == *-4k ]] && envs=(ALIGNEDSERVE_HUGE_PAGES=0)  # KV and weights on 4 KiB pages
   if [[ $1 == replicas* ]]; then  # replicasN-ROUTER: N replicas share the cores
     local n=${1#replicas}; n=${n%%-*}

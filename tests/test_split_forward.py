@@ -92,6 +92,20 @@ def test_compiled_kernels_release_the_gil(compiled):
     assert during >= 20, f"no other Python thread ran while the kernel computed ({during} ticks)"
 
 
+def test_serve_leaves_the_split_off_and_offline_turns_it_on():
+    from alignedserve.entrypoints.args import engine_config_from_args
+    from alignedserve.entrypoints.cli import build_parser
+
+    def split(*argv: str) -> bool:
+        return engine_config_from_args(build_parser().parse_args(argv)).split_decode
+
+    assert not split("serve")
+    assert split("serve", "--split-decode")
+    assert split("generate", "--prompt", "hi")
+    assert not split("generate", "--prompt", "hi", "--no-split-decode")
+    assert EngineConfig().split_decode  # LLM.generate and in-process engines
+
+
 @pytest.mark.model
 @pytest.mark.parametrize("path", kernel_path_params(("amx", "avx512_bf16", "avx2")))
 def test_split_steps_give_the_same_tokens(default_model_fp32, path, monkeypatch):

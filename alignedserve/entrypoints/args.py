@@ -12,8 +12,10 @@ from alignedserve.kernels.isa import PATHS
 def add_engine_args(parser: argparse.ArgumentParser, serving: bool = False) -> None:
     """Engine options. ``serving`` picks the server's defaults where they differ from offline
     use (as vLLM's defaults depend on its usage context): --preallocate-kv on (a server runs
-    for long, and no request should wait on page faults) and --step-time-target on (requests
-    arrive while others decode, and each decode row waits on the step's prompt chunk)."""
+    for long, and no request should wait on page faults), --step-time-target on (requests
+    arrive while others decode, and each decode row waits on the step's prompt chunk) and
+    --split-decode off (served on two cores it measured no faster or slower, while offline it
+    is faster; docs/architecture.md, "Split decode steps")."""
     sched = SchedulerConfig()  # scheduler defaults come from the config, so they cannot drift
     g = parser.add_argument_group("engine")
     g.add_argument("--model", default=None,
@@ -30,10 +32,12 @@ def add_engine_args(parser: argparse.ArgumentParser, serving: bool = False) -> N
     g.add_argument("--policy", default="aligned", choices=["aligned", "fcfs", "static"],
                    help="scheduling policy: aligned (length-aligned cohorts, default), fcfs "
                         "(vLLM-like continuous batching), static (FasterTransformer-like)")
-    g.add_argument("--split-decode", action=argparse.BooleanOptionalAction, default=True,
-                   help="run decode-only steps of 32+ rows as two halves at once, each on half "
-                        "the threads, so one half's attention overlaps the other's linears "
-                        "(bf16 on a compiled CPU path; outputs unchanged)")
+    g.add_argument("--split-decode", action=argparse.BooleanOptionalAction,
+                   default=not serving,
+                   help="run steps of 32+ decode rows as two halves at once, each on half the "
+                        "threads, so one half's attention overlaps the other's linears (bf16 "
+                        "on a compiled CPU path; outputs unchanged; default: on offline, off "
+                        "for serve, where it measured no faster)")
     g.add_argument("--seed", type=int, default=None, help="seed for requests without their own")
     g.add_argument("--max-model-len", type=int, default=None, help="context length cap")
     g.add_argument("--device-kv-gb", type=float, default=4.0, help="KV budget per device (GiB)")
