@@ -1,5 +1,5 @@
-"""``SplitForward``: runs two halves of a decode step at once, each on its own share of the
-cores.
+"""``SplitForward``: runs two halves of a step at once, each on its own share of the cores
+(``ModelRunner`` uses it for steps of many decode rows and at most a small prompt part).
 
 A decode step's linears are bound by arithmetic and its attention by memory reads. Run as one
 batch, every op takes all cores in turn, so while attention streams the KV caches the
