@@ -120,14 +120,13 @@ class ModelRunner:
         rows = list(range(len(decode)))
         halves = (rows[prompt::2], rows[:prompt] + rows[prompt + 1::2])
 
-        def run(i: int) -> Callable[[], torch.Tensor]:
-            own = halves[i]
-            at = list(range(prompt)) if i == 0 else []
-            at += [prompt + r for r in own]
-            return lambda: self._hidden(segments if i == 0 else [], [ids[j] for j in at],
-                                        [positions[j] for j in at], [decode[r] for r in own])
+        def run(chunks: list[PrefillSegment], tokens: int,
+                own: list[int]) -> Callable[[], torch.Tensor]:
+            at = list(range(tokens)) + [prompt + r for r in own]  # indices into ids
+            return lambda: self._hidden(chunks, [ids[j] for j in at], [positions[j] for j in at],
+                                        [decode[r] for r in own])
 
-        first, second = self.split.run(run(0), run(1))
+        first, second = self.split.run(run(segments, prompt, halves[0]), run([], 0, halves[1]))
         hidden = first.new_empty((len(ids), first.shape[1]))
         hidden[:prompt] = first[:prompt]
         for half, out in zip(halves, (first[prompt:], second)):
