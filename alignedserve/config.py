@@ -94,10 +94,11 @@ class EngineConfig:
     kernel_path: str | None = None
     policy: str = "aligned"
     # Run steps of many decode rows as two halves at once, each on half the threads (bf16 on
-    # a compiled CPU path, two threads or more; executor/split_forward.py): one half's
-    # attention overlaps the other's linears. Outputs are the same either way. `serve` turns
-    # it off by default (docs/architecture.md, "Split decode steps").
-    split_decode: bool = True
+    # a compiled CPU path, two threads or more; executor/split_forward.py), so one half's
+    # attention may overlap the other's linears. Outputs are the same either way. Off by
+    # default: it measured no faster than one batch (docs/architecture.md, "Split decode
+    # steps").
+    split_decode: bool = False
     seed: int | None = None
     max_model_len: int | None = None  # None: the model's own context length
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

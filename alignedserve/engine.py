@@ -114,7 +114,7 @@ class LLMEngine:
         if (not self.config.split_decode or self.device.type != "cpu" or threads < 2
                 or self.kernels.ext is None or self.dtype != torch.bfloat16):
             return None
-        return SplitForward((threads // 2, threads - threads // 2))
+        return SplitForward((threads // 2, threads - threads // 2), self.kernels.enter_thread)
 
     def _build_kv(self, cache: CacheConfig, mc: ModelConfig) -> tuple[KVStore, KVPool]:
         """The KV bookkeeping (scheduler side) and the tensors that mirror it (runner side):

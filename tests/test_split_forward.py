@@ -36,6 +36,29 @@ def test_halves_run_at_once_on_their_own_thread_counts():
         split.close()
 
 
+def test_workers_keep_their_thread_count_through_compiled_kernels(compiled):
+    """A compiled library's first parallel loop in a thread resets the thread's count to the
+    process default; the workers make that loop at start (``enter_thread``), so the kernels a
+    half calls keep its one thread instead of starting an OpenMP team as wide as the caller's."""
+    caller = torch.get_num_threads()
+    torch.set_num_threads(2)  # a default above the halves' own count, on any machine
+    split = SplitForward((1, 1), compiled.enter_thread)
+    x = torch.randn(8, 64, dtype=torch.bfloat16)
+    weight = torch.ones(64, dtype=torch.bfloat16)
+    layer = PackedLinear(torch.randn(128, 64, dtype=torch.bfloat16), None, compiled)
+
+    def half() -> int:
+        compiled.rms_norm(x, weight, 1e-6)
+        layer(x)
+        return torch.get_num_threads()
+
+    try:
+        assert split.run(half, half) == (1, 1)
+    finally:
+        split.close()
+        torch.set_num_threads(caller)
+
+
 def test_an_exception_in_either_half_reaches_the_caller_after_both_finish():
     split = SplitForward((1, 1))
     finished = threading.Event()
@@ -92,7 +115,7 @@ def test_compiled_kernels_release_the_gil(compiled):
     assert during >= 20, f"no other Python thread ran while the kernel computed ({during} ticks)"
 
 
-def test_serve_leaves_the_split_off_and_offline_turns_it_on():
+def test_the_split_is_off_unless_asked_for():
     from alignedserve.entrypoints.args import engine_config_from_args
     from alignedserve.entrypoints.cli import build_parser
 
@@ -101,9 +124,9 @@ def test_serve_leaves_the_split_off_and_offline_turns_it_on():
 
     assert not split("serve")
     assert split("serve", "--split-decode")
-    assert split("generate", "--prompt", "hi")
-    assert not split("generate", "--prompt", "hi", "--no-split-decode")
-    assert EngineConfig().split_decode  # LLM.generate and in-process engines
+    assert not split("generate", "--prompt", "hi")
+    assert split("generate", "--prompt", "hi", "--split-decode")
+    assert not EngineConfig().split_decode  # LLM.generate and in-process engines
 
 
 @pytest.mark.model

@@ -32,12 +32,11 @@ def add_engine_args(parser: argparse.ArgumentParser, serving: bool = False) -> N
     g.add_argument("--policy", default="aligned", choices=["aligned", "fcfs", "static"],
                    help="scheduling policy: aligned (length-aligned cohorts, default), fcfs "
                         "(vLLM-like continuous batching), static (FasterTransformer-like)")
-    g.add_argument("--split-decode", action=argparse.BooleanOptionalAction,
-                   default=not serving,
+    g.add_argument("--split-decode", action=argparse.BooleanOptionalAction, default=False,
                    help="run steps of 32+ decode rows as two halves at once, each on half the "
-                        "threads, so one half's attention overlaps the other's linears (bf16 "
-                        "on a compiled CPU path; outputs unchanged; default: on offline, off "
-                        "for serve, where it measured no faster)")
+                        "threads, so one half's attention may overlap the other's linears "
+                        "(bf16 on a compiled CPU path; outputs unchanged; off by default: it "
+                        "measured no faster than one batch)")
     g.add_argument("--seed", type=int, default=None, help="seed for requests without their own")
     g.add_argument("--max-model-len", type=int, default=None, help="context length cap")
     g.add_argument("--device-kv-gb", type=float, default=4.0, help="KV budget per device (GiB)")

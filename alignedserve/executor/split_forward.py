@@ -10,7 +10,11 @@ releases the GIL (``csrc/release_gil.h``) and computes a row's result independen
 rows beside it, so the split changes no output.
 
 Each worker thread runs its torch ops on a fixed number of intra-op threads: torch's OpenMP
-thread count is a per-thread setting (the caller's own stays as it was).
+thread count is a per-thread setting (the caller's own stays as it was). Each shared library
+that inlines ATen's ``at::parallel_for`` resets a thread's count to the process default on its
+first loop in that thread, so a worker makes those first loops (``enter_thread``) while the
+default is its own count; otherwise each half would run an OpenMP team as wide as the
+caller's, and the two halves would oversubscribe the cores.
 """
 
 from __future__ import annotations
@@ -31,12 +35,17 @@ class SplitForward:
     (the workers' setting goes through torch's global default, which is restored).
     """
 
-    def __init__(self, threads: tuple[int, int]) -> None:
+    def __init__(self, threads: tuple[int, int],
+                 enter_thread: Callable[[], None] = lambda: None) -> None:
+        """``enter_thread`` runs once in each worker, on its thread count: it must make the
+        worker's first parallel loop in every compiled library the halves call
+        (``Kernels.enter_thread``)."""
         caller = torch.get_num_threads()
         self._workers = [ThreadPoolExecutor(1, thread_name_prefix=f"alignedserve-half{i}",
-                                            initializer=_use_threads, initargs=(n,))
+                                            initializer=_use_threads,
+                                            initargs=(n, enter_thread))
                          for i, n in enumerate(threads)]
-        for worker in self._workers:  # start each thread (its initializer) now
+        for worker in self._workers:  # start each thread (its initializer) now, one at a time
             worker.submit(lambda: None).result()
         torch.set_num_threads(caller)  # the workers set the global default; restore it
 
@@ -52,8 +61,11 @@ class SplitForward:
             worker.shutdown(wait=True)
 
 
-def _use_threads(n: int) -> None:
-    torch.get_num_threads()  # torch sets a thread's count from the default on first use
+def _use_threads(n: int, enter_thread: Callable[[], None]) -> None:
+    torch.get_num_threads()  # libtorch sets a thread's count from the default on first use
+    torch.set_num_threads(n)  # this thread's count, and the default until the constructor's
+    with torch.inference_mode():
+        enter_thread()  # other libraries' first use, while the default is n
     torch.set_num_threads(n)
 
 

@@ -73,6 +73,18 @@ class Kernels:
     def __repr__(self) -> str:
         return f"Kernels({self.path!r})"
 
+    def enter_thread(self) -> None:
+        """Make this thread's first parallel loop in the compiled build now.
+
+        ATen's inlined ``at::parallel_for`` keeps, per shared library and per thread, a flag
+        "thread count initialised"; the library's first loop in a thread sets the thread's
+        OpenMP count to the process-wide default, whatever the thread set before. A thread
+        that runs on its own count (``SplitForward``'s workers) calls this once, while the
+        default is its own count, so that later kernel calls keep it."""
+        if self.ext is not None:
+            self.ext.try_rms_norm(torch.zeros(2, 64, dtype=_BF16), torch.ones(64, dtype=_BF16),
+                                  1e-6)
+
     # ------------------------------------------------------------ elementwise and sampling
 
     def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
