@@ -66,7 +66,7 @@ def _use_threads(n: int, enter_thread: Callable[[], None]) -> None:
     torch.set_num_threads(n)  # this thread's count, and the default until the constructor's
     with torch.inference_mode():
         enter_thread()  # other libraries' first use, while the default is n
-    torch.set_num_threads(n)
+    torch.set_num_threads(n)  # again, in case another thread changed the default meanwhile
 
 
 def _inference(fn: Callable[[], T]) -> T:
