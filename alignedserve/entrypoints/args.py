@@ -12,10 +12,8 @@ from alignedserve.kernels.isa import PATHS
 def add_engine_args(parser: argparse.ArgumentParser, serving: bool = False) -> None:
     """Engine options. ``serving`` picks the server's defaults where they differ from offline
     use (as vLLM's defaults depend on its usage context): --preallocate-kv on (a server runs
-    for long, and no request should wait on page faults), --step-time-target on (requests
-    arrive while others decode, and each decode row waits on the step's prompt chunk) and
-    --split-decode off (served on two cores it measured no faster or slower, while offline it
-    is faster; docs/architecture.md, "Split decode steps")."""
+    for long, and no request should wait on page faults) and --step-time-target on (requests
+    arrive while others decode, and each decode row waits on the step's prompt chunk)."""
     sched = SchedulerConfig()  # scheduler defaults come from the config, so they cannot drift
     g = parser.add_argument_group("engine")
     g.add_argument("--model", default=None,
