@@ -65,8 +65,8 @@ class CacheConfig:
     host_kv_gb: float = 8.0
     num_devices: int = 1
     granularity: int = 16
-    # Lay bf16 caches out in bf16-pair blocks (alignedserve.kernels.kv_layout) on the amx and
-    # avx512_bf16 kernel paths where head_dim is 64; False keeps every cache token-major.
+    # Lay bf16 caches out in bf16-pair blocks (alignedserve.kernels.kv_layout) on every
+    # compiled kernel path where head_dim is 64; False keeps every cache token-major.
     tiled_layout: bool = True
     # Fault in the device tiers' KV budget at start-up where it is CPU memory (capped at half
     # the free RAM), as vLLM reserves its KV cache, so no request waits on page faults; the
@@ -89,8 +89,8 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     device: str | None = None  # None: cuda when available, else cpu
     num_threads: int | None = None
-    # Kernel instruction-set path (alignedserve.kernels.isa): amx, avx512_bf16, avx2 or
-    # reference; None takes $ALIGNEDSERVE_ISA, else the best this CPU supports.
+    # Kernel instruction-set path (alignedserve.kernels.isa): amx, avx512_bf16, avx512,
+    # avx2 or reference; None takes $ALIGNEDSERVE_ISA, else the best this CPU supports.
     kernel_path: str | None = None
     policy: str = "aligned"
     # Run steps of many decode rows as two halves at once, each on half the threads (bf16 on

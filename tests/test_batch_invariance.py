@@ -42,7 +42,7 @@ def _run(engine: LLMEngine, requests: list[tuple[str, list[int]]],
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e5m2"])
-@pytest.mark.parametrize("path", kernel_path_params(("amx", "avx512_bf16", "avx2")))
+@pytest.mark.parametrize("path", kernel_path_params(("amx", "avx512_bf16", "avx512", "avx2")))
 def test_tokens_are_the_same_alone_and_in_a_batch(default_model_fp32, path, kv_cache_dtype):
     engine = LLMEngine(EngineConfig(kernel_path=path, kv_cache_dtype=kv_cache_dtype,
                                     scheduler=SchedulerConfig(max_num_batched_tokens=512)))

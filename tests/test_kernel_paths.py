@@ -22,6 +22,29 @@ def test_cpu_paths_are_ordered_and_end_with_the_reference():
     assert paths == PATHS[PATHS.index(paths[0]):]
 
 
+_AVX2_FLAGS = "avx2 fma f16c bmi1 bmi2 movbe"
+_AVX512_FLAGS = _AVX2_FLAGS + " avx512f avx512bw avx512vl avx512dq avx512cd"
+_BF16_FLAGS = _AVX512_FLAGS + " avx512_bf16 avx512_vnni"
+
+
+@pytest.mark.parametrize("flags,best", [
+    (_BF16_FLAGS + " amx_tile amx_bf16", "amx"),
+    (_BF16_FLAGS, "avx512_bf16"),            # AMD Zen 4/5, Cooper Lake
+    (_AVX512_FLAGS + " avx512_vnni", "avx512"),  # Ice Lake, Cascade Lake, masked-bf16 VMs
+    (_AVX512_FLAGS, "avx512"),               # Skylake-SP
+    (_AVX2_FLAGS + " avx512f", "avx2"),      # no BW/VL: not an AVX-512 path
+    ("sse4_2 avx", "reference"),
+])
+def test_paths_follow_the_cpu_flags(monkeypatch, flags, best):
+    monkeypatch.setattr(isa.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(isa, "_cpu_flags", lambda: frozenset(flags.split()))
+    cpu_paths.cache_clear()
+    try:
+        assert cpu_paths() == PATHS[PATHS.index(best):]
+    finally:
+        cpu_paths.cache_clear()
+
+
 def test_default_is_the_best_path(monkeypatch):
     monkeypatch.delenv(isa.ENV_VAR, raising=False)
     monkeypatch.delenv("ALIGNEDSERVE_NO_KERNELS", raising=False)
@@ -55,7 +78,7 @@ def test_unknown_and_unsupported_paths_are_refused(monkeypatch):
         select_kernels(lacking[0])
 
 
-@pytest.mark.parametrize("path", kernel_path_params(("amx", "avx512_bf16", "avx2")))
+@pytest.mark.parametrize("path", kernel_path_params(("amx", "avx512_bf16", "avx512", "avx2")))
 def test_each_build_is_what_it_says(path):
     kernels = kernels_for_path(path)
     assert kernels.ext.compiled_path() == path

@@ -1,7 +1,7 @@
 """Decode attention on every compiled kernel path vs the PyTorch reference.
 
 ``compiled`` (tests/conftest.py) runs each test on every path this CPU supports (amx,
-avx512_bf16, avx2) and skips, saying why, the ones it lacks. The first run on a machine
+avx512_bf16, avx512, avx2) and skips, saying why, the ones it lacks. The first run on a machine
 builds each path's extension (cached under $ALIGNEDSERVE_CACHE); a failed build fails
 these tests rather than skipping them.
 """

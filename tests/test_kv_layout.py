@@ -55,7 +55,7 @@ def test_element_offsets_are_the_documented_ones():
             assert flat[offset(t, d)] == tokens[0, t, d]
 
 
-TILED_PATHS = ("amx", "avx512_bf16", "avx2")
+TILED_PATHS = ("amx", "avx512_bf16", "avx512", "avx2")
 
 
 @pytest.fixture(scope="module", params=kernel_path_params(TILED_PATHS))

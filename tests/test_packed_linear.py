@@ -9,9 +9,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from alignedserve.kernels import Kernels
+from alignedserve.kernels import Kernels, kernels_for_path
 from alignedserve.kernels.linear import (PACKED_MAX_ROWS, PackedLinear, deinterleave_gate_up,
                                          interleave_gate_up, pack_linears)
+from tests.conftest import kernel_path_params
 from tests.model_utils import our_logits, ours_from_hf, tiny_hf_model
 
 @pytest.mark.parametrize("rows", [1, 37, PACKED_MAX_ROWS, PACKED_MAX_ROWS + 1, 1100])
@@ -77,7 +78,7 @@ def test_a_rows_result_does_not_depend_on_its_batch(compiled: Kernels, out_featu
 
 @pytest.mark.parametrize("kernel", ["avx512", "avx2"])
 def test_the_path_kernels_reject_bad_inputs(compiled: Kernels, kernel: str) -> None:
-    if not getattr(compiled, "avx512_bf16" if kernel == "avx512" else "avx2"):
+    if not getattr(compiled, kernel):
         pytest.skip(f"the {compiled.path} path does not use the {kernel} linear")
     ext = compiled.ext
     pack, linear = getattr(ext, f"pack_weight_{kernel}"), getattr(ext, f"linear_{kernel}")
@@ -95,6 +96,39 @@ def test_the_path_kernels_reject_bad_inputs(compiled: Kernels, kernel: str) -> N
     with pytest.raises(ValueError):
         pack(weight.float())
     assert linear(x[:0], packed, None).shape == (0, 32)
+
+
+def pair_dot_sequence(x: torch.Tensor, weight: torch.Tensor,
+                      bias: torch.Tensor | None) -> torch.Tensor:
+    """linear_avx512's arithmetic written out in torch: each output starts at fp32 +0 and, per
+    depth pair p in order, adds x[2p+1] w[2p+1] and then x[2p] w[2p] (the SDM's vdpbf16ps
+    order; a product of two bf16 is exact in fp32, so each step rounds once, as an FMA does),
+    then the bias in fp32, rounded once to bf16."""
+    xf, wf = x.float(), weight.float()
+    if xf.shape[1] % 2:
+        xf, wf = F.pad(xf, (0, 1)), F.pad(wf, (0, 1))
+    acc = torch.zeros(xf.shape[0], wf.shape[0])
+    for p in range(xf.shape[1] // 2):
+        for e in (2 * p + 1, 2 * p):
+            acc += xf[:, e, None] * wf[None, :, e]
+    return (acc if bias is None else acc + bias.float()).bfloat16()
+
+
+@pytest.mark.parametrize("path", kernel_path_params(("avx512",)))
+@pytest.mark.parametrize("out_features,in_features,rows,with_bias",
+                         [(96, 64, 7, True), (200, 33, 13, False), (64, 576, 64, True)])
+def test_the_emulated_pair_dot_is_vdpbf16ps_arithmetic(path: str, out_features: int,
+                                                       in_features: int, rows: int,
+                                                       with_bias: bool) -> None:
+    """Without AVX512-BF16 the AVX-512 linear builds each vdpbf16ps from two FMAs: its
+    outputs are that instruction's sequence of roundings exactly (normal numbers)."""
+    gen = torch.Generator().manual_seed(out_features * rows)
+    weight = torch.randn(out_features, in_features, generator=gen).bfloat16()
+    bias = torch.randn(out_features, generator=gen) if with_bias else None
+    x = torch.randn(rows, in_features, generator=gen).bfloat16()
+    ext = kernels_for_path(path).ext
+    got = ext.linear_avx512(x, ext.pack_weight_avx512(weight), bias)
+    assert torch.equal(got, pair_dot_sequence(x, weight, bias))
 
 
 @pytest.mark.parametrize("out_features,in_features,rows,with_bias",
@@ -115,7 +149,7 @@ def test_fused_swiglu_is_bit_identical_to_linear_then_silu_mul(
     want = compiled.silu_mul(plain(x))
     assert torch.equal(compiled.swiglu(fused, x), want)
     assert torch.equal(fused(x), plain(x))
-    if not compiled.avx512_bf16:
+    if not compiled.avx512:
         assert fused.silu_mul(x) is None and not fused.fused_swiglu
         return
     assert fused.fused_swiglu
@@ -137,7 +171,7 @@ def test_pack_linears_fuses_only_gate_up(compiled: Kernels) -> None:
     pack_linears(model, compiled)
     fused = {name for name, m in model.named_modules()
              if isinstance(m, PackedLinear) and m.fused_swiglu}
-    if compiled.avx512_bf16:
+    if compiled.avx512:
         assert fused and all(name.endswith("gate_up_proj") for name in fused)
     else:
         assert not fused

@@ -130,7 +130,7 @@ def test_the_split_is_off_unless_asked_for():
 
 
 @pytest.mark.model
-@pytest.mark.parametrize("path", kernel_path_params(("amx", "avx512_bf16", "avx2")))
+@pytest.mark.parametrize("path", kernel_path_params(("amx", "avx512_bf16", "avx512", "avx2")))
 def test_split_steps_give_the_same_tokens(default_model_fp32, path, monkeypatch):
     """Forty requests decoding together while four more arrive (their prompts cut into chunks
     beside the decode rows), generated with the split on and off: the same tokens, and both

@@ -1,8 +1,8 @@
 """The kernel layer: the one place that builds and loads compiled kernels and picks, once per
 process, which implementation runs each op on this CPU.
 
-* ``isa`` — the instruction-set paths (``amx``, ``avx512_bf16``, ``avx2``, ``reference``), what
-  this CPU supports, and the ``ALIGNEDSERVE_ISA`` override;
+* ``isa`` — the instruction-set paths (``amx``, ``avx512_bf16``, ``avx512``, ``avx2``,
+  ``reference``), what this CPU supports, and the ``ALIGNEDSERVE_ISA`` override;
 * ``build`` — one build of ``csrc/`` per path, made on first use and cached per machine;
 * ``dispatch`` — `Kernels`, the ops of one path, and `select_kernels`;
 * ``linear`` — `PackedLinear`, linear layers with weights prepared for the path;

@@ -3,8 +3,8 @@
 Every path except ``reference`` is one build of the same sources (``csrc/``) for a fixed
 target, so a machine can hold and run the builds of every path its CPU supports (the tests
 run them all side by side). Each source guards its code with the compiler's feature macros
-(``__AVX512BF16__``, AMX's in ``amx.h``), so a build contains exactly the kernels its target
-can run, and reports which in ``compiled_path()``.
+(``__AVX512BF16__``, ``bf16_pairs.h``'s AVX-512 macro, AMX's in ``amx.h``), so a build
+contains exactly the kernels its target can run, and reports which in ``compiled_path()``.
 
 Builds go to ``$ALIGNEDSERVE_CACHE/torch_extensions`` (default ``~/.cache/alignedserve``),
 one directory per path, torch build and interpreter, and are memoised per process; a failed
@@ -31,11 +31,12 @@ CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = ("module.cpp", "attention.cpp", "fused.cpp", "prefill_attention.cpp",
            "prefill_attention_avx512.cpp", "prefill_attention_avx2.cpp", "small_gemm.cpp",
            "linear_avx512.cpp", "linear_avx2.cpp")
-_AVX512 = ["-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni"]
+_AVX512_BF16 = ["-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni"]
 # The compiler target of each path; isa._REQUIRED_FLAGS lists the CPU flags they imply.
 TARGET_FLAGS = {
-    "amx": _AVX512 + ["-mamx-tile", "-mamx-bf16"],
-    "avx512_bf16": _AVX512,
+    "amx": _AVX512_BF16 + ["-mamx-tile", "-mamx-bf16"],
+    "avx512_bf16": _AVX512_BF16,
+    "avx512": ["-march=x86-64-v4"],
     "avx2": ["-march=x86-64-v3"],
 }
 

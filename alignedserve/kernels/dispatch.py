@@ -11,21 +11,24 @@ Python check costs microseconds there.
 
 What each path runs (see ``isa.py`` for the paths):
 
-========================  ==========================  ==============  =============
-op                        amx                         avx512_bf16     avx2
-========================  ==========================  ==============  =============
-linears (``linear.py``)   AMX tiles, oneDNN above     AVX512-BF16     AVX2 FMA
-                          1024 rows (LM head: 128)    (any rows)      (any rows)
-prefill attention         AMX                         AVX512-BF16     AVX2
-decode attention          AMX over tiled bf16         AVX512-BF16     AVX2 FMA
-                          caches, AVX-512 FMA         over tiled bf16 (tiled bf16
-                          otherwise                   caches, AVX-512 caches too)
+========================  ==========================  ==============  ==============  =============
+op                        amx                         avx512_bf16     avx512          avx2
+========================  ==========================  ==============  ==============  =============
+linears (``linear.py``)   AMX tiles, oneDNN above     AVX512-BF16     as avx512_bf16  AVX2 FMA
+                          1024 rows (LM head: 128)    (any rows)      (emulated dot)  (any rows)
+prefill attention         AMX                         AVX512-BF16     as avx512_bf16  AVX2
+                                                                      (emulated dot)
+decode attention          AMX over tiled bf16         AVX512-BF16     AVX-512 FMA     AVX2 FMA
+                          caches, AVX-512 FMA         over tiled bf16                 (tiled bf16
+                          otherwise                   caches, AVX-512                 caches too)
                                                       FMA otherwise
-norms, RoPE, SiLU·up      AVX-512                     AVX-512         AVX2
-argmax                    AVX-512                     AVX-512         portable C++
-========================  ==========================  ==============  =============
+norms, RoPE, SiLU·up      AVX-512                     AVX-512         AVX-512         AVX2
+argmax                    AVX-512                     AVX-512         AVX-512         portable C++
+========================  ==========================  ==============  ==============  =============
 
-On the AVX512-BF16 path SiLU·up is the epilogue of the gate_up linear (``swiglu``).
+The ``avx512`` path runs the ``avx512_bf16`` path's linear and prefill kernels with each
+``vdpbf16ps`` built from two AVX-512F FMAs (``csrc/bf16_pairs.h``). On both, SiLU·up is the
+epilogue of the gate_up linear (``swiglu``).
 
 The in-place ops differ by implementation in what happens to their inputs: the compiled
 ``add_rms_norm`` writes the sum into ``residual`` and ``rotary_qkv`` rotates ``qkv`` in place
@@ -67,7 +70,8 @@ class Kernels:
         self.path = path
         self.ext = ext
         self.amx = ext is not None and path == "amx" and bool(ext.amx_available())
-        self.avx512_bf16 = ext is not None and path == "avx512_bf16"
+        # The AVX-512 linear and prefill kernels: vdpbf16ps, or its AVX-512F equivalent.
+        self.avx512 = ext is not None and path in ("avx512_bf16", "avx512")
         self.avx2 = ext is not None and path == "avx2"
 
     def __repr__(self) -> str:
@@ -179,7 +183,7 @@ class Kernels:
 
     def prefill_kernel_applies(self, q: Tensor) -> bool:
         """Whether `prefill_attention` takes chunks with queries like ``q`` (bf16 on CPU, a
-        head_dim the path's kernel takes: % 32 with AMX or AVX512-BF16, % 8 with AVX2); else
+        head_dim the path's kernel takes: % 32 with AMX or AVX-512, % 8 with AVX2); else
         the caller uses ``reference.prefill_attention`` (SDPA)."""
         dim = q.shape[-1]
         if q.dtype != _BF16 or not q.is_cpu or dim > _MAX_HEAD_DIM or self.ext is None:
@@ -196,7 +200,7 @@ class Kernels:
         `prefill_kernel_applies`."""
         if self.amx:
             return self.ext.prefill_attention(q, keys, values, start, scale, tiled)
-        if self.avx512_bf16:
+        if self.avx512:
             return self.ext.prefill_attention_avx512(q, keys, values, start, scale, tiled)
         return self.ext.prefill_attention_avx2(q, keys, values, start, scale, tiled)
 

@@ -7,6 +7,10 @@ A *path* names one build of the compiled kernels and the rules for what runs whe
 * ``avx512_bf16`` — AVX-512 with ``vdpbf16ps`` (AMD Zen 4/5, Intel Cooper Lake and the AMX
   parts): ``vdpbf16ps`` linears, prefill attention and decode attention over tiled bf16
   caches, AVX-512 fused elementwise ops;
+* ``avx512`` — AVX-512 F/BW/VL/DQ/CD without AVX512-BF16 (Intel Skylake-SP, Cascade Lake,
+  Ice Lake, and VMs that hide the bf16 flags): the ``avx512_bf16`` path's kernels with
+  ``vdpbf16ps`` built from AVX-512F FMAs (``csrc/bf16_pairs.h``: the same results but for
+  denormals), FMA decode attention over tiled bf16 caches;
 * ``avx2`` — AVX2 + FMA (any x86-64 server of the last decade): AVX2 FMA linears and prefill
   attention, the portable kernels compiled for AVX2;
 * ``reference`` — PyTorch only, no compiled code (any CPU, and every non-CPU device).
@@ -24,20 +28,20 @@ import functools
 import os
 import platform
 
-PATHS = ("amx", "avx512_bf16", "avx2", "reference")
+PATHS = ("amx", "avx512_bf16", "avx512", "avx2", "reference")
 ENV_VAR = "ALIGNEDSERVE_ISA"
 
 # /proc/cpuinfo flags each compiled path's code may execute: the features of its -march
 # target (build.py), which the kernels or the compiler's code generation may use.
 _AVX2 = ("avx2", "fma", "f16c", "bmi1", "bmi2", "movbe")
-_AVX512 = _AVX2 + ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd", "avx512_bf16",
-                   "avx512_vnni")
-_REQUIRED_FLAGS = {"amx": _AVX512 + ("amx_tile", "amx_bf16"), "avx512_bf16": _AVX512,
-                   "avx2": _AVX2}
+_AVX512 = _AVX2 + ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd")
+_AVX512_BF16 = _AVX512 + ("avx512_bf16", "avx512_vnni")
+_REQUIRED_FLAGS = {"amx": _AVX512_BF16 + ("amx_tile", "amx_bf16"),
+                   "avx512_bf16": _AVX512_BF16, "avx512": _AVX512, "avx2": _AVX2}
 
 # oneDNN (torch's bf16 GEMMs) takes its own ceiling from ONEDNN_MAX_CPU_ISA; forcing one of
 # our paths sets the matching ceiling so both libraries run the same instruction set.
-ONEDNN_CEILING = {"avx512_bf16": "AVX512_CORE_BF16", "avx2": "AVX2"}
+ONEDNN_CEILING = {"avx512_bf16": "AVX512_CORE_BF16", "avx512": "AVX512_CORE", "avx2": "AVX2"}
 
 
 def _cpu_flags() -> frozenset[str]:

@@ -8,18 +8,19 @@ each batch size on its path (``Kernels.path``):
 * ``amx``: AMX tiles (``csrc/small_gemm.cpp``) up to ``AMX_MAX_ROWS`` rows
   (``AMX_MAX_ROWS_LM_HEAD`` for the 49k-wide LM head, where oneDNN catches up sooner), then
   oneDNN's prepacked call up to ``PACKED_MAX_ROWS``, then plain ``F.linear``;
-* ``avx512_bf16``: the AVX512-BF16 kernel (``csrc/linear_avx512.cpp``) at every row count;
+* ``avx512_bf16`` and ``avx512``: the AVX-512 kernel (``csrc/linear_avx512.cpp``: vdpbf16ps,
+  or without AVX512-BF16 the same products from FMAs) at every row count;
 * ``avx2``: the AVX2 FMA kernel (``csrc/linear_avx2.cpp``) at every row count (oneDNN has no
   bf16 matmul below AVX512-BF16, and torch's fallback is far slower);
 * ``reference``, float32 weights, other devices: plain ``F.linear`` (float32 must stay
   bit-identical to transformers).
 
-A fused ``[gate | up]`` projection (``swiglu=True``) on the AVX512-BF16 path is packed with its
+A fused ``[gate | up]`` projection (``swiglu=True``) on the AVX-512 paths is packed with its
 16-row blocks interleaved (gate 0, up 0, gate 1, ...) so that `PackedLinear.silu_mul` can
 ask the kernel for ``silu(gate) * up`` straight from its accumulators: bit-identical to
 ``silu_mul(forward(x))``, without storing the ``[rows, 2 I]`` product and reading it back.
 
-The AMX, AVX512-BF16 and AVX2 kernels compute every output element as the same sequence of
+The AMX, AVX-512 and AVX2 kernels compute every output element as the same sequence of
 products and sums whatever the batch, so a row's result does not depend on the rows beside
 it; oneDNN's blocking, and so its rounding, changes with the row count.
 """
@@ -66,10 +67,10 @@ def onednn_packing_supported(weight: Tensor) -> bool:
 
 
 def path_linear(kernels: Kernels, weight: Tensor) -> tuple[Callable, Callable] | None:
-    """(kernel, packer) of the path's own any-row-count linear (AVX512-BF16 or AVX2) for a
+    """(kernel, packer) of the path's own any-row-count linear (AVX-512 or AVX2) for a
     bf16 CPU ``weight``; None where the path has none (AMX, reference) or the weight does not
     qualify."""
-    name = "avx512" if kernels.avx512_bf16 else "avx2" if kernels.avx2 else None
+    name = "avx512" if kernels.avx512 else "avx2" if kernels.avx2 else None
     if name is None or weight.dtype != torch.bfloat16 or not weight.is_cpu:
         return None
     return getattr(kernels.ext, f"linear_{name}"), getattr(kernels.ext, f"pack_weight_{name}")
@@ -79,7 +80,7 @@ class PackedLinear(nn.Module):
     """``y = x @ weight.T + bias`` for 2-D ``x`` through the kernel ``kernels`` picks per
     batch size (see the module docstring); N-D ``x`` takes ``F.linear``.
 
-    Invariant: ``tiles`` (the path's own kernel layout: AMX tiles, AVX512-BF16 or AVX2 panels) and
+    Invariant: ``tiles`` (the path's own kernel layout: AMX tiles, AVX-512 or AVX2 panels) and
     ``packed`` (oneDNN's) are ``weight`` reordered, each None where no batch size uses it, and
     never go stale: weights are frozen after loading. ``weight`` may be shared with another
     module (a tied LM head reads the embedding matrix). ``fused_swiglu``: ``tiles`` holds the
@@ -105,7 +106,7 @@ class PackedLinear(nn.Module):
             self.kernel_max_rows = AMX_MAX_ROWS_LM_HEAD if lm_head else AMX_MAX_ROWS
         elif (own := path_linear(kernels, weight)) is not None:
             self._kernel, pack = own
-            self.fused_swiglu = (swiglu and kernels.avx512_bf16
+            self.fused_swiglu = (swiglu and kernels.avx512
                                  and out_features % (2 * _SWIGLU_BLOCK) == 0)
             if self.fused_swiglu:
                 tiles = pack(interleave_gate_up(weight.detach()))

@@ -1,4 +1,6 @@
-// bf16 linear layer for CPUs with AVX512-BF16 and no AMX: y = x . W^T (+ bias).
+// bf16 linear layer for AVX-512 CPUs without AMX: y = x . W^T (+ bias). Written around
+// vdpbf16ps (AVX512-BF16); without it (the avx512 path) bf16_pairs.h gives the same arithmetic
+// from AVX-512F FMAs.
 //
 // Contract (checked in linear_avx512 below):
 //   x      : [M, K] bf16 CPU, rows dense (stride(1) == 1; stride(0) free, so x may be a row
@@ -24,8 +26,8 @@
 // Arithmetic, and why a row's result does not depend on its batch: every output element
 // y[m, n] is one fp32 accumulator that starts at +0 and takes, for p = 0, 1, ..., KP - 1 in
 // order, one vdpbf16ps step with the pair (x[m, 2p], x[m, 2p + 1]) and (W[n, 2p], W[n, 2p+1])
-// (for odd K the missing x[m, K] is a zero, as is its weight); then the bias is added in
-// fp32 and the sum rounded once to bf16 (round to nearest even). Every kernel variant below
+// (bf16::dot_word; for odd K the missing x[m, K] is a zero, as is its weight); then the bias
+// is added in fp32 and the sum rounded once to bf16 (round to nearest even). Every kernel variant below
 // (whatever rows x columns it holds in registers, whatever part of the matrix a thread
 // takes) issues exactly this sequence for each element, so y[m] depends only on x[m] and W:
 // not on M, on the other rows, on the thread count or on the work split.
@@ -41,9 +43,9 @@
 // says what is prefetched, and when). Where there are too few columns for the threads, they
 // split the rows instead (split_rows()).
 //
-// Compiled everywhere; the kernel itself only where the compiler targets AVX512-BF16 (with
-// BW and VL). Elsewhere linear_avx512_available() is false and linear_avx512 throws
-// (pack_weight_avx512 still packs).
+// Compiled everywhere; the kernel itself only where the compiler targets AVX-512 F, BW and VL
+// (with or without AVX512-BF16). Elsewhere linear_avx512_available() is false and
+// linear_avx512 throws (pack_weight_avx512 still packs).
 
 // Narrow includes on purpose: <torch/extension.h> is slow to compile.
 #include <ATen/Parallel.h>
@@ -60,11 +62,11 @@
 
 #include "checks.h"
 #include "release_gil.h"
+#include "bf16_pairs.h"  // vdpbf16ps, or its AVX-512F equivalent (the avx512 path)
 #include "vec.h"  // the SwiGLU epilogue: silu_mul's arithmetic
 
-#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#if defined(ALIGNEDSERVE_AVX512)
 #define ALIGNEDSERVE_LINEAR_AVX512 1
-#include <immintrin.h>
 #endif
 
 namespace alignedserve {
@@ -87,7 +89,9 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 #ifdef ALIGNEDSERVE_LINEAR_AVX512
 
-constexpr int kRows = 6;  // rows per register tile: 6 x 4 = 24 zmm accumulators
+// Rows per register tile: 6 x 4 = 24 zmm accumulators; 5 where each of the 4 weight vectors
+// takes two registers (bf16::Pairs without AVX512-BF16), so that the tile stays in the 32.
+constexpr int kRows = bf16::kNativeDot ? 6 : 5;
 
 struct Problem {
   const uint16_t* x;  // [M, K], row stride x_stride (elements)
@@ -149,11 +153,11 @@ void tile(const Problem& P, int64_t m, const uint16_t* w, int64_t w_step, int64_
   // One depth step. The weights are loaded first and each row's pair is broadcast just
   // before its C products, so at most C + 1 inputs are live beside the R x C accumulators.
   auto step = [&](const uint16_t* ws, auto pair_of_row) {
-    __m512i b[C];
-    for (int c = 0; c < C; ++c) b[c] = _mm512_loadu_si512(ws + c * kBlock * 2);
+    bf16::Pairs b[C];
+    for (int c = 0; c < C; ++c) b[c] = bf16::to_pairs(_mm512_loadu_si512(ws + c * kBlock * 2));
     for (int r = 0; r < R; ++r) {
-      const __m512bh a = (__m512bh)_mm512_set1_epi32(pair_of_row(r));
-      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], a, (__m512bh)b[c]);
+      const auto a = static_cast<uint32_t>(pair_of_row(r));
+      for (int c = 0; c < C; ++c) acc[r][c] = bf16::dot_word(acc[r][c], b[c], a);
     }
   };
 
@@ -210,7 +214,7 @@ void tile(const Problem& P, int64_t m, const uint16_t* w, int64_t w_step, int64_
   }
   if (P.swiglu) {  // C is even here: blocks (gate, up) side by side, full (N % 32 == 0)
     auto rounded = [](__m512 v) {  // r(v) as linear_avx512 stores it, widened back exactly
-      const __m512i bf = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v));
+      const __m512i bf = _mm512_cvtepu16_epi32(bf16::round16(v));
       return Vec{_mm512_castsi512_ps(_mm512_slli_epi32(bf, 16))};
     };
 #pragma GCC unroll 6
@@ -227,7 +231,7 @@ void tile(const Problem& P, int64_t m, const uint16_t* w, int64_t w_step, int64_
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
     for (int c = 0; c < C; ++c) {
-      const __m256i y = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[r][c], bias[c]));
+      const __m256i y = bf16::round16(_mm512_add_ps(acc[r][c], bias[c]));
       _mm256_mask_storeu_epi16(out_at_row(P, m + r, col) + c * kBlock, mask[c], y);
     }
 }
@@ -327,7 +331,7 @@ at::Tensor pack_weight_avx512(const at::Tensor& w) {
 
 at::Tensor linear_avx512(const at::Tensor& x, const at::Tensor& packed,
                          const std::optional<at::Tensor>& bias_opt, bool swiglu) {
-  TORCH_CHECK_VALUE(available(), "linear_avx512: this build has no AVX512-BF16 kernel");
+  TORCH_CHECK_VALUE(available(), "linear_avx512: this build has no AVX-512 kernel");
   const auto [N, K] = checks::packed_shape(packed, kMagic, kBlock, "linear_avx512",
                                            "pack_weight_avx512");
   checks::linear_input(x, K, "linear_avx512");
@@ -379,7 +383,7 @@ at::Tensor linear_avx512(const at::Tensor& x, const at::Tensor& packed,
 void register_linear_avx512(pybind11::module_& m) {
   using pybind11::arg;
   m.def("linear_avx512_available", &available,
-        "True when this build has the AVX512-BF16 linear kernel.");
+        "True when this build has the AVX-512 linear kernel.");
   m.def("pack_weight_avx512", &pack_weight_avx512, kReleaseGil,
         "W [N, K] bf16 -> the 1-d packed layout linear_avx512 takes (64-column panels of "
         "pair-interleaved depth steps, then a trailer holding N and K).",

@@ -15,7 +15,7 @@ void register_prefill(pybind11::module_& m);     // prefill_attention.cpp: AMX p
 void register_prefill_avx512(pybind11::module_& m);  // prefill_attention_avx512.cpp
 void register_prefill_avx2(pybind11::module_& m);    // prefill_attention_avx2.cpp
 void register_small_gemm(pybind11::module_& m);  // small_gemm.cpp: AMX small-batch linear
-void register_linear_avx512(pybind11::module_& m);  // linear_avx512.cpp: AVX512-BF16 linear
+void register_linear_avx512(pybind11::module_& m);  // linear_avx512.cpp: AVX-512 linear
 void register_linear_avx2(pybind11::module_& m);    // linear_avx2.cpp: AVX2 FMA linear
 
 namespace {
@@ -26,6 +26,8 @@ std::string compiled_path() {
   return "amx";
 #elif defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
   return "avx512_bf16";
+#elif defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+  return "avx512";
 #elif defined(__AVX2__) && defined(__FMA__)
   return "avx2";
 #else
@@ -38,7 +40,7 @@ std::string compiled_path() {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("compiled_path", &alignedserve::compiled_path,
-        "The instruction set this build targets: amx, avx512_bf16, avx2 or portable.");
+        "The instruction set this build targets: amx, avx512_bf16, avx512, avx2 or portable.");
   m.def("amx_available", &alignedserve::amx::available,
         "True when this build has the AMX-BF16 kernels and the OS granted tile state.");
   alignedserve::register_attention(m);

@@ -1,6 +1,7 @@
-// Prefill attention on AVX512-BF16 CPUs without AMX (e.g. AMD Zen 4): the sibling of
+// Prefill attention on AVX-512 CPUs without AMX (e.g. AMD Zen 4): the sibling of
 // csrc/prefill_attention.cpp, built around `vdpbf16ps` (16 fp32 lanes, each += the dot product
-// of one bf16 pair of each operand).
+// of one bf16 pair of each operand), or without AVX512-BF16 its AVX-512F equivalent
+// (bf16_pairs.h: the same results but for denormals).
 //
 // Contract (checked in prefill_attention_avx512 below; the AMX kernel's non-tiled call):
 //   q     : [T, H, D] bf16, heads dense within a token row (stride(0) free: a view of a fused
@@ -50,8 +51,9 @@
 // head (one head's K and packed V stay in L2 while both threads sweep its query blocks), latest
 // positions (most keys) first.
 //
-// Compiled in where the target has AVX512-BF16 (x86-64-v4 + avx512bf16, Sapphire Rapids);
-// elsewhere prefill_attention_avx512_available() is false and the entry point raises.
+// Compiled in where the target has AVX-512 F, BW and VL (x86-64-v4, with or without
+// avx512bf16); elsewhere prefill_attention_avx512_available() is false and the entry point
+// raises.
 
 // Narrow includes on purpose: <torch/extension.h> alone takes ~30 s to compile.
 #include <ATen/Parallel.h>
@@ -71,9 +73,10 @@
 #include "release_gil.h"
 #include "tiled_layout.h"
 
-#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include "bf16_pairs.h"  // vdpbf16ps, or its AVX-512F equivalent (the avx512 path)
+
+#if defined(ALIGNEDSERVE_AVX512)
 #define ALIGNEDSERVE_PREFILL_AVX512 1
-#include <immintrin.h>
 #endif
 
 namespace alignedserve {
@@ -96,8 +99,6 @@ inline __m512i pair_interleave() {
   return _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
                           23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
 }
-
-inline __m512bh as_bh(__m512i x) { return reinterpret_cast<__m512bh>(x); }
 
 struct Problem {
   const uint16_t* q;   // query i, head h at q + i * q_stride + h * D
@@ -190,15 +191,14 @@ inline void block_scores(const uint32_t* const* qt, const uint16_t* krows, int64
   const auto* kw = reinterpret_cast<const uint32_t*>(krows);
   const int64_t words = D / 2;
   for (int64_t j = 0; j < words; ++j) {
-    __m512bh qv[NH];
+    bf16::Pairs qv[NH];
 #pragma GCC unroll 3
-    for (int h = 0; h < NH; ++h) qv[h] = as_bh(_mm512_load_si512(qt[h] + j * 16));
+    for (int h = 0; h < NH; ++h) qv[h] = bf16::to_pairs(_mm512_load_si512(qt[h] + j * 16));
 #pragma GCC unroll 16
     for (int kk = 0; kk < NK; ++kk) {
       const uint32_t word = kTiled ? kw[j * kKeyWordStride + kk] : kw[kk * words + j];
-      const __m512bh kb = as_bh(_mm512_set1_epi32(static_cast<int>(word)));
 #pragma GCC unroll 3
-      for (int h = 0; h < NH; ++h) acc[h][kk] = _mm512_dpbf16_ps(acc[h][kk], qv[h], kb);
+      for (int h = 0; h < NH; ++h) acc[h][kk] = bf16::dot_word(acc[h][kk], qv[h], word);
     }
   }
 #pragma GCC unroll 16
@@ -248,7 +248,7 @@ inline bool softmax_rows(const float* s, int n, __m512 raw_max, float* m, float*
       const __m512 p0 = exp2_nonpos(_mm512_fmsub_ps(_mm512_load_ps(row), scale, new_max));
       const __m512 p1 = exp2_nonpos(_mm512_fmsub_ps(_mm512_load_ps(row + 16), scale, new_max));
       sum[u] = _mm512_add_ps(sum[u], _mm512_add_ps(p0, p1));
-      const __m512i both = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(p1, p0));
+      const __m512i both = bf16::round32(p1, p0);
       _mm512_store_si512(p + (r + u) * 16, _mm512_permutexvar_epi16(perm, both));
     }
   }
@@ -280,14 +280,13 @@ inline void block_values(const uint32_t* p, int npairs, const uint32_t* vp, int6
     const uint32_t* vrow = vp + d0;
     const uint32_t* prow = p;
     for (int r = 0; r < npairs; ++r, vrow += D, prow += 16) {
-      __m512bh pv[NH];
+      bf16::Pairs pv[NH];
 #pragma GCC unroll 3
-      for (int h = 0; h < NH; ++h) pv[h] = as_bh(_mm512_load_si512(prow + h * kPStride));
+      for (int h = 0; h < NH; ++h) pv[h] = bf16::to_pairs(_mm512_load_si512(prow + h * kPStride));
 #pragma GCC unroll 16
       for (int dd = 0; dd < ND; ++dd) {
-        const __m512bh vb = as_bh(_mm512_set1_epi32(static_cast<int>(vrow[dd])));
 #pragma GCC unroll 3
-        for (int h = 0; h < NH; ++h) a[h][dd] = _mm512_dpbf16_ps(a[h][dd], pv[h], vb);
+        for (int h = 0; h < NH; ++h) a[h][dd] = bf16::dot_word(a[h][dd], pv[h], vrow[dd]);
       }
     }
 #pragma GCC unroll 3
@@ -366,7 +365,7 @@ void store_outputs(const Problem& P, const float* acc, const float* l, int64_t i
   for (int64_t d = 0; d < P.D; d += 2) {
     const __m512 lo_row = _mm512_mul_ps(_mm512_load_ps(acc + d * 16), inv);
     const __m512 hi_row = _mm512_mul_ps(_mm512_load_ps(acc + (d + 1) * 16), inv);
-    const __m512i both = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi_row, lo_row));
+    const __m512i both = bf16::round32(hi_row, lo_row);
     _mm512_store_si512(pairs + d * 8, _mm512_permutexvar_epi16(perm, both));
   }
   const __m512i column = _mm512_mullo_epi32(
@@ -506,7 +505,7 @@ bool prefill_avx512_available() {
 at::Tensor prefill_attention_avx512(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                     int64_t start, double scale, bool tiled) {
   TORCH_CHECK(prefill_avx512_available(),
-              "prefill_attention_avx512: this build has no AVX512-BF16 kernel");
+              "prefill_attention_avx512: this build has no AVX-512 kernel");
   checks::prefill_inputs(q, k, v, start, scale, 32, "prefill_attention_avx512", tiled);
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2), KVH = k.size(0);
   const int64_t S = start + T;
@@ -552,10 +551,10 @@ at::Tensor prefill_attention_avx512(const at::Tensor& q, const at::Tensor& k, co
 void register_prefill_avx512(pybind11::module_& m) {
   using pybind11::arg;
   m.def("prefill_attention_avx512_available", &prefill_avx512_available,
-        "True when this build has the AVX512-BF16 prefill kernel.");
+        "True when this build has the AVX-512 prefill kernel.");
   m.def("prefill_attention_avx512", &prefill_attention_avx512, kReleaseGil,
         "Causal attention of q [T, H, D] (absolute positions start..start+T-1) over k/v "
-        "[KVH, start+T, D] (bf16, AVX512-BF16), or a tiled cache's planes (tiled: [KVH, "
+        "[KVH, start+T, D] (bf16, AVX-512), or a tiled cache's planes (tiled: [KVH, "
         ">= start+T, D], kv_layout.py); batch-invariant.",
         arg("q"), arg("k"), arg("v"), arg("start"), arg("scale"), arg("tiled") = false);
 }
