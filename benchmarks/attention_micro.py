@@ -6,7 +6,7 @@ row's KV once, so the rows come from DRAM. hot: 8 rows of 1,000 tokens, one laye
 repeatedly (~6 MB in bf16: stays in cache), i.e. the kernel's arithmetic rate.
 
     python benchmarks/attention_micro.py [--dtypes bfloat16 float8_e5m2] [--threads 2] [--tiled]
-        [--path amx|avx512_bf16|avx2|reference]
+        [--path amx|avx512_bf16|avx512|avx2|reference]
     python benchmarks/attention_micro.py --huge-pages-ab [--length 640]
     python benchmarks/attention_micro.py --layout-ab [--length 640]
 

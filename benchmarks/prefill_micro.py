@@ -1,7 +1,7 @@
 """Prefill attention alone: the kernel path's prefill kernel on the default model's shapes,
 against torch's SDPA on the same inputs.
 
-    python benchmarks/prefill_micro.py [--threads 2] [--path amx|avx512_bf16]
+    python benchmarks/prefill_micro.py [--threads 2] [--path amx|avx512_bf16|avx512|avx2]
 
 * ``shapes``: ms per call and useful GFLOP/s (4 x head_dim x causal (query, key, head)
   pairs) for chunks of T queries after ``start`` cached keys, kernel and SDPA alternating

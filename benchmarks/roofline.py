@@ -21,7 +21,7 @@ frequency change), so ``--rounds N`` measures every rate N times, rounds one aft
 and prices the workload at each rate's median.
 
 Usage: python benchmarks/roofline.py [--workload varied|uniform] [--threads 2] [--kv-bytes 2]
-       [--path amx|avx512_bf16|avx2|reference] [--rounds 1]
+       [--path amx|avx512_bf16|avx512|avx2|reference] [--rounds 1]
 """
 
 from __future__ import annotations

@@ -27,9 +27,9 @@
 // y[m, n] is one fp32 accumulator that starts at +0 and takes, for p = 0, 1, ..., KP - 1 in
 // order, one vdpbf16ps step with the pair (x[m, 2p], x[m, 2p + 1]) and (W[n, 2p], W[n, 2p+1])
 // (bf16::dot_word; for odd K the missing x[m, K] is a zero, as is its weight); then the bias
-// is added in fp32 and the sum rounded once to bf16 (round to nearest even). Every kernel variant below
-// (whatever rows x columns it holds in registers, whatever part of the matrix a thread
-// takes) issues exactly this sequence for each element, so y[m] depends only on x[m] and W:
+// is added in fp32 and the sum rounded once to bf16 (round to nearest even). Every kernel
+// variant below (whatever rows x columns it holds in registers, whatever part of the matrix a
+// thread takes) issues exactly this sequence for each element, so y[m] depends only on x[m] and W:
 // not on M, on the other rows, on the thread count or on the work split.
 //
 // Speed. At decode shapes (a few rows) a linear layer is a stream of its weight from DRAM;
@@ -41,7 +41,9 @@
 // i.e. one run of weight memory front to back; for each panel (or part of one) in its range
 // it runs every row tile over it, the panel staying in L2 after the first row tile (part()
 // says what is prefetched, and when). Where there are too few columns for the threads, they
-// split the rows instead (split_rows()).
+// split the rows instead (split_rows()). Without AVX512-BF16 each step is two FMAs on the
+// weights' odd and even elements, split once per panel step (8 registers), so the tile is
+// 5 x 64: 20 accumulators + 8 weight + 2 broadcast registers.
 //
 // Compiled everywhere; the kernel itself only where the compiler targets AVX-512 F, BW and VL
 // (with or without AVX512-BF16). Elsewhere linear_avx512_available() is false and
@@ -60,9 +62,9 @@
 #include <optional>
 #include <utility>
 
+#include "bf16_pairs.h"  // vdpbf16ps, or its AVX-512F equivalent (the avx512 path)
 #include "checks.h"
 #include "release_gil.h"
-#include "bf16_pairs.h"  // vdpbf16ps, or its AVX-512F equivalent (the avx512 path)
 #include "vec.h"  // the SwiGLU epilogue: silu_mul's arithmetic
 
 #if defined(ALIGNEDSERVE_AVX512)
@@ -90,7 +92,7 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 #ifdef ALIGNEDSERVE_LINEAR_AVX512
 
 // Rows per register tile: 6 x 4 = 24 zmm accumulators; 5 where each of the 4 weight vectors
-// takes two registers (bf16::Pairs without AVX512-BF16), so that the tile stays in the 32.
+// takes two registers (bf16::Pairs without AVX512-BF16; see "Speed" above).
 constexpr int kRows = bf16::kNativeDot ? 6 : 5;
 
 struct Problem {

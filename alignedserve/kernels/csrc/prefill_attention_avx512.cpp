@@ -69,11 +69,10 @@
 #include <vector>
 
 #include "amx.h"  // exp2_nonpos, kMaskedScore (defined on every AVX-512 build)
+#include "bf16_pairs.h"  // vdpbf16ps, or its AVX-512F equivalent (the avx512 path)
 #include "checks.h"
 #include "release_gil.h"
 #include "tiled_layout.h"
-
-#include "bf16_pairs.h"  // vdpbf16ps, or its AVX-512F equivalent (the avx512 path)
 
 #if defined(ALIGNEDSERVE_AVX512)
 #define ALIGNEDSERVE_PREFILL_AVX512 1
