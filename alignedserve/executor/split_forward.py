@@ -35,11 +35,11 @@ class SplitForward:
     (the workers' setting goes through torch's global default, which is restored).
     """
 
-    def __init__(self, threads: tuple[int, int],
-                 enter_thread: Callable[[], None] = lambda: None) -> None:
+    def __init__(self, threads: tuple[int, int], enter_thread: Callable[[], None]) -> None:
         """``enter_thread`` runs once in each worker, on its thread count: it must make the
         worker's first parallel loop in every compiled library the halves call
-        (``Kernels.enter_thread``)."""
+        (``Kernels.enter_thread``). It has no default: a caller that forgets it gets halves
+        whose first kernel call widens their thread count (see the module docstring)."""
         caller = torch.get_num_threads()
         self._workers = [ThreadPoolExecutor(1, thread_name_prefix=f"alignedserve-half{i}",
                                             initializer=_use_threads,

@@ -5,7 +5,8 @@
 
 #include <string>
 
-#include "amx.h"  // defines ALIGNEDSERVE_AMX where the build targets AMX-BF16
+#include "amx.h"         // defines ALIGNEDSERVE_AMX where the build targets AMX-BF16
+#include "bf16_pairs.h"  // defines ALIGNEDSERVE_AVX512 where it targets AVX-512 F/BW/VL
 
 namespace alignedserve {
 
@@ -24,9 +25,9 @@ namespace {
 std::string compiled_path() {
 #if defined(ALIGNEDSERVE_AMX)
   return "amx";
-#elif defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#elif defined(ALIGNEDSERVE_AVX512) && defined(__AVX512BF16__)
   return "avx512_bf16";
-#elif defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#elif defined(ALIGNEDSERVE_AVX512)
   return "avx512";
 #elif defined(__AVX2__) && defined(__FMA__)
   return "avx2";

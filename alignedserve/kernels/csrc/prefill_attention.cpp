@@ -43,6 +43,7 @@
 #include <vector>
 
 #include "amx.h"  // defines ALIGNEDSERVE_AMX where the build targets AMX-BF16
+#include "checks.h"
 #include "release_gil.h"
 #include "tiled_layout.h"
 
@@ -402,30 +403,13 @@ at::Tensor untile_keys(const at::Tensor& k, int64_t S) {
 at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_in, const at::Tensor& v,
                              int64_t start, double scale, bool tiled) {
   TORCH_CHECK(amx::available(), "prefill_attention: AMX-BF16 is not available");
-  TORCH_CHECK(q.dim() == 3 && k_in.dim() == 3 && v.dim() == 3, "prefill_attention: 3-d tensors");
-  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k_in.scalar_type() == at::kBFloat16 &&
-                  v.scalar_type() == at::kBFloat16, "prefill_attention: bf16 only");
-  TORCH_CHECK(q.device().is_cpu() && k_in.device().is_cpu() && v.device().is_cpu(),
-              "prefill_attention: CPU tensors");
-  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2),
-              "prefill_attention: q heads must be dense within a token row");
-  const int64_t T = q.size(0), H = q.size(1), D = q.size(2), KVH = k_in.size(0);
-  TORCH_CHECK(D % 32 == 0 && D <= 256, "prefill_attention: head_dim must be a multiple of 32");
-  TORCH_CHECK(KVH > 0 && H % KVH == 0, "prefill_attention: heads must be a multiple of kv heads");
-  TORCH_CHECK(scale > 0 && scale < 1e6, "prefill_attention: scale must be positive (and sane)");
-  TORCH_CHECK(v.sizes() == k_in.sizes() && k_in.size(2) == D, "prefill_attention: k/v shape");
-  TORCH_CHECK(k_in.stride(2) == 1 && k_in.stride(1) == D, "prefill_attention: k token rows dense");
-  TORCH_CHECK(v.stride(2) == 1 && v.stride(1) == D, "prefill_attention: v token rows dense");
-  // Token-major k/v hold exactly the S = start + T keys; tiled planes hold at least S, in
-  // whole 16-token blocks.
-  const int64_t S = tiled ? start + T : k_in.size(1);
-  TORCH_CHECK(start >= 0 && S == start + T, "prefill_attention: need S == start + T");
-  TORCH_CHECK(!tiled || (k_in.size(1) >= S && k_in.size(1) % tiled::kKeyBlock == 0),
-              "prefill_attention: tiled k/v must hold start + T positions, capacity % ",
-              tiled::kKeyBlock, " == 0");
+  checks::prefill_inputs(q, k_in, v, start, scale, 32, "prefill_attention", tiled);
+  const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
   at::Tensor out = at::empty({T, H, D}, q.options());
 #ifdef ALIGNEDSERVE_AMX
   if (T == 0) return out;
+  const int64_t KVH = k_in.size(0);
+  const int64_t S = start + T;  // keys attended; a tiled plane may hold more (whole blocks)
   const int64_t s_pad = (S + kT - 1) / kT * kT;
   const at::Tensor k = tiled ? untile_keys(k_in, S) : k_in;
   const at::Tensor vt = tiled ? transpose_values_tiled(v, S, s_pad) : transpose_values(v, s_pad);
