@@ -116,12 +116,14 @@ def pair_dot_sequence(x: torch.Tensor, weight: torch.Tensor,
 
 @pytest.mark.parametrize("path", kernel_path_params(("avx512",)))
 @pytest.mark.parametrize("out_features,in_features,rows,with_bias",
-                         [(96, 64, 7, True), (200, 33, 13, False), (64, 576, 64, True)])
+                         [(96, 64, 7, True), (200, 33, 13, False), (64, 576, 64, True),
+                          (200, 33, 41, True), (96, 64, 37, False)])
 def test_the_emulated_pair_dot_is_vdpbf16ps_arithmetic(path: str, out_features: int,
                                                        in_features: int, rows: int,
                                                        with_bias: bool) -> None:
     """Without AVX512-BF16 the AVX-512 linear builds each vdpbf16ps from two FMAs: its
-    outputs are that instruction's sequence of roundings exactly (normal numbers)."""
+    outputs are that instruction's sequence of roundings exactly (normal numbers), both below
+    and from the row count where the kernel widens its operands to fp32 first (36)."""
     gen = torch.Generator().manual_seed(out_features * rows)
     weight = torch.randn(out_features, in_features, generator=gen).bfloat16()
     bias = torch.randn(out_features, generator=gen) if with_bias else None

@@ -58,7 +58,9 @@
 #include <algorithm>
 #include <climits>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <optional>
 #include <utility>
 
@@ -105,6 +107,7 @@ struct Problem {
   int64_t M, N, K, KP;
   bool swiglu;        // block pairs (gate, up) -> silu(gate) * up (file comment)
   int64_t out_cols;   // N, or N / 2 with swiglu
+  const float* xw;    // x widened to fp32, [M, 2 KP] (zero-padded), or null: see wide_tile()
 };
 
 // Where block j's step 0 lies, and how many elements apart its steps are (its panel's width
@@ -125,76 +128,43 @@ uint16_t* out_at_row(const Problem& P, int64_t m, int64_t col) {
 
 // What a tile pulls into L2 while it computes (see part()): `lines` 64-byte lines of each step
 // of a weight run starting at `w` (steps `w_step` elements apart), and the `rows` activation
-// rows starting at `x`, one line of each per 16 steps.
+// rows starting at `x` (`x_row` bytes apart, `x_bytes` bytes a depth step), one line of each
+// whenever a step starts a new line.
 struct Ahead {
   const uint16_t* w;
   int64_t w_step;
   int64_t lines;
-  const uint16_t* x;
+  const char* x;
+  int64_t x_row;
+  int64_t x_bytes;
   int64_t rows;
 };
 
-// Rows [m, m + R) x the C blocks from `w` on (steps `w_step` elements apart; output columns
-// from col on) over the whole depth, then bias, rounding and store. The arithmetic is the
-// same for every R and C (file comment).
+// The per-step prefetches of a tile at depth step p (of `full`): its output lines 32 steps
+// before the end (with many rows the output is bigger than L2, and stores that each wait for
+// their line from L3 stall the next tile), then `ahead`'s share of what the next tile needs.
 template <int R, int C>
-void tile(const Problem& P, int64_t m, const uint16_t* w, int64_t w_step, int64_t col,
-          const Ahead& ahead) {
-  const int64_t full = P.K / 2;  // complete pairs
-  // Rows r < 3 are addressed from x0, the others from x3 (base + r * stride with scale 1 or
-  // 2), so R row pointers cost three registers.
-  const char* x0 = reinterpret_cast<const char*>(P.x + m * P.x_stride);
-  const char* x3 = x0 + 3 * P.x_stride * 2;
-  const int64_t xs = P.x_stride * 2;  // bytes
-  auto row = [&](int r) { return r < 3 ? x0 + r * xs : x3 + (r - 3) * xs; };
-
-  __m512 acc[R][C];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
-
-  // One depth step. The weights are loaded first and each row's pair is broadcast just
-  // before its C products, so at most C + 1 inputs are live beside the R x C accumulators.
-  auto step = [&](const uint16_t* ws, auto pair_of_row) {
-    bf16::Pairs b[C];
-    for (int c = 0; c < C; ++c) b[c] = bf16::to_pairs(_mm512_loadu_si512(ws + c * kBlock * 2));
+inline __attribute__((always_inline)) void pull(const Problem& P, int64_t m, int64_t col,
+                                                const Ahead& ahead, int64_t p, int64_t full) {
+  if (p == std::max<int64_t>(0, full - 32))
     for (int r = 0; r < R; ++r) {
-      const auto a = static_cast<uint32_t>(pair_of_row(r));
-      for (int c = 0; c < C; ++c) acc[r][c] = bf16::dot_word(acc[r][c], b[c], a);
+      const char* o = reinterpret_cast<const char*>(out_at_row(P, m + r, col));
+      const int64_t bytes = (P.swiglu ? C / 2 : C) * kBlock * 2;
+      for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(o + b, _MM_HINT_T0);
+      _mm_prefetch(o + bytes - 1, _MM_HINT_T0);
     }
-  };
+  const char* pfw = reinterpret_cast<const char*>(ahead.w + p * ahead.w_step);
+  for (int64_t q = 0; q < ahead.lines; ++q) _mm_prefetch(pfw + q * 64, _MM_HINT_T1);
+  if ((p * ahead.x_bytes & 63) == 0)
+    for (int64_t r = 0; r < ahead.rows; ++r)
+      _mm_prefetch(ahead.x + r * ahead.x_row + p * ahead.x_bytes, _MM_HINT_T1);
+}
 
-  // Near the end, the tile asks for its output lines: with many rows the output is bigger
-  // than L2, and stores that each wait for their line from L3 stall the next tile.
-  const int64_t out_at = std::max<int64_t>(0, full - 32);
-  const uint16_t* ws = w;
-  const char* pfw = reinterpret_cast<const char*>(ahead.w);
-  for (int64_t p = 0; p < full; ++p, ws += w_step, pfw += ahead.w_step * 2) {
-    if (p == out_at)
-      for (int r = 0; r < R; ++r) {
-        const char* o = reinterpret_cast<const char*>(out_at_row(P, m + r, col));
-        const int64_t bytes = (P.swiglu ? C / 2 : C) * kBlock * 2;
-        for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(o + b, _MM_HINT_T0);
-        _mm_prefetch(o + bytes - 1, _MM_HINT_T0);
-      }
-    for (int64_t q = 0; q < ahead.lines; ++q) _mm_prefetch(pfw + q * 64, _MM_HINT_T1);
-    if ((p & 15) == 0)
-      for (int64_t r = 0; r < ahead.rows; ++r)
-        _mm_prefetch(reinterpret_cast<const char*>(ahead.x + r * P.x_stride + 2 * p),
-                     _MM_HINT_T1);
-    step(ws, [&](int r) {
-      int32_t v;
-      std::memcpy(&v, row(r) + 4 * p, 4);
-      return v;
-    });
-  }
-  if (P.K & 1)  // the last, half pair: (x[m, K - 1], 0)
-    step(ws, [&](int r) {
-      uint16_t v;
-      std::memcpy(&v, row(r) + 4 * full, 2);
-      return static_cast<int32_t>(v);
-    });
-
-  // Bias (or +0), one rounding, store; fully unrolled so the accumulators stay in registers.
+// Bias (or +0), one rounding, store of a tile's accumulators; inlined so they stay in
+// registers.
+template <int R, int C>
+inline __attribute__((always_inline)) void finish(const Problem& P, int64_t m, int64_t col,
+                                                  __m512 (&acc)[R][C]) {
   __m512 bias[C];
   __mmask16 mask[C];
 #pragma GCC unroll 4
@@ -238,6 +208,53 @@ void tile(const Problem& P, int64_t m, const uint16_t* w, int64_t w_step, int64_
     }
 }
 
+// Rows [m, m + R) x the C blocks from `w` on (steps `w_step` elements apart; output columns
+// from col on) over the whole depth, then bias, rounding and store. The arithmetic is the
+// same for every R and C (file comment).
+template <int R, int C>
+void tile(const Problem& P, int64_t m, const uint16_t* w, int64_t w_step, int64_t col,
+          const Ahead& ahead) {
+  const int64_t full = P.K / 2;  // complete pairs
+  // Rows r < 3 are addressed from x0, the others from x3 (base + r * stride with scale 1 or
+  // 2), so R row pointers cost three registers.
+  const char* x0 = reinterpret_cast<const char*>(P.x + m * P.x_stride);
+  const char* x3 = x0 + 3 * P.x_stride * 2;
+  const int64_t xs = P.x_stride * 2;  // bytes
+  auto row = [&](int r) { return r < 3 ? x0 + r * xs : x3 + (r - 3) * xs; };
+
+  __m512 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+
+  // One depth step. The weights are loaded first and each row's pair is broadcast just
+  // before its C products, so at most C + 1 inputs are live beside the R x C accumulators.
+  auto step = [&](const uint16_t* ws, auto pair_of_row) {
+    bf16::Pairs b[C];
+    for (int c = 0; c < C; ++c) b[c] = bf16::to_pairs(_mm512_loadu_si512(ws + c * kBlock * 2));
+    for (int r = 0; r < R; ++r) {
+      const auto a = static_cast<uint32_t>(pair_of_row(r));
+      for (int c = 0; c < C; ++c) acc[r][c] = bf16::dot_word(acc[r][c], b[c], a);
+    }
+  };
+
+  const uint16_t* ws = w;
+  for (int64_t p = 0; p < full; ++p, ws += w_step) {
+    pull<R, C>(P, m, col, ahead, p, full);
+    step(ws, [&](int r) {
+      int32_t v;
+      std::memcpy(&v, row(r) + 4 * p, 4);
+      return v;
+    });
+  }
+  if (P.K & 1)  // the last, half pair: (x[m, K - 1], 0)
+    step(ws, [&](int r) {
+      uint16_t v;
+      std::memcpy(&v, row(r) + 4 * full, 2);
+      return static_cast<int32_t>(v);
+    });
+  finish<R, C>(P, m, col, acc);
+}
+
 template <int C>
 void tile_rows(const Problem& P, int64_t m, int64_t rows, const uint16_t* w, int64_t w_step,
                int64_t col, const Ahead& ahead) {
@@ -251,6 +268,91 @@ void tile_rows(const Problem& P, int64_t m, int64_t rows, const uint16_t* w, int
   }
 }
 
+// The avx512 path's many-row calls (from kWideMinRows rows; not built with AVX512-BF16, whose
+// vdpbf16ps is one instruction a pair). The emulated pair step above spends, beside its
+// 2 R C FMAs, 2 C ops splitting the weights and two broadcasts a row, and those share the FMA
+// ports. Here the call widens x to fp32 once (Problem::xw, zero-padded to 2 KP) and each
+// thread widens the weight group it is about to run into fp32 scratch (widen_group), so a
+// step is loads and FMAs only: each FMA takes its row's element straight from memory as a
+// broadcast operand. The products and their order are the emulated step's exactly (odd
+// element first, then even; the half pair of an odd K is a full step with a zero odd element
+// and weight, as there), so results are bit-identical to tile() and a row's result still
+// does not depend on which variant ran it.
+#if defined(ALIGNEDSERVE_LINEAR_AVX512) && !defined(__AVX512BF16__)
+#define ALIGNEDSERVE_LINEAR_WIDE 1
+constexpr int kWideRows = 6;  // 6 x 4 accumulators + 4 weight registers
+// Below this many rows a call is too short for the widening to pay: its scratch stores (the
+// whole group, to L2) cost about what the split ops they save do.
+constexpr int64_t kWideMinRows = 6 * kWideRows;
+
+// Blocks [j, j + C) of the packed weight (block_at(P, j) = {w, w_step}) as fp32 in `out`:
+// step p at out + 2 C kBlock p holds the C blocks' odd elements, then their even elements.
+void widen_group(const Problem& P, const uint16_t* w, int64_t w_step, int64_t C, float* out) {
+  for (int64_t p = 0; p < P.KP; ++p, w += w_step, out += 2 * C * kBlock)
+    for (int64_t c = 0; c < C; ++c) {
+      const bf16::Pairs b = bf16::to_pairs(_mm512_loadu_si512(w + c * kBlock * 2));
+      _mm512_storeu_ps(out + c * kBlock, b.odd);
+      _mm512_storeu_ps(out + (C + c) * kBlock, b.even);
+    }
+}
+
+// tile() for rows [m, m + R) with widened operands: `w` is widen_group's output for the C
+// blocks from output column col on.
+template <int R, int C>
+void wide_tile(const Problem& P, int64_t m, const float* w, int64_t col, const Ahead& ahead) {
+  const int64_t xs = 2 * P.KP;  // floats between rows of P.xw
+  // Rows r < 3 are addressed from x0, the others from x3, as in tile().
+  const float* x0 = P.xw + m * xs;
+  const float* x3 = x0 + 3 * xs;
+  auto row = [&](int r) { return r < 3 ? x0 + r * xs : x3 + (r - 3) * xs; };
+  __m512 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < P.KP; ++p, w += 2 * C * kBlock) {
+    pull<R, C>(P, m, col, ahead, p, P.KP);
+    for (int h = 1; h >= 0; --h) {  // element 2p + 1 (odd), then 2p
+      __m512 b[C];
+      for (int c = 0; c < C; ++c) b[c] = _mm512_loadu_ps(w + ((1 - h) * C + c) * kBlock);
+      for (int r = 0; r < R; ++r) {
+        const __m512 a = _mm512_set1_ps(row(r)[2 * p + h]);
+        for (int c = 0; c < C; ++c) acc[r][c] = _mm512_fmadd_ps(b[c], a, acc[r][c]);
+      }
+    }
+  }
+  finish<R, C>(P, m, col, acc);
+}
+
+template <int C>
+void wide_tile_rows(const Problem& P, int64_t m, int64_t rows, const float* w, int64_t col,
+                    const Ahead& ahead) {
+  switch (rows) {
+    case 1: return wide_tile<1, C>(P, m, w, col, ahead);
+    case 2: return wide_tile<2, C>(P, m, w, col, ahead);
+    case 3: return wide_tile<3, C>(P, m, w, col, ahead);
+    case 4: return wide_tile<4, C>(P, m, w, col, ahead);
+    case 5: return wide_tile<5, C>(P, m, w, col, ahead);
+    default: return wide_tile<kWideRows, C>(P, m, w, col, ahead);
+  }
+}
+
+// This thread's scratch for one widened group (grown, never shrunk: a call's pages are
+// already mapped by the next).
+float* wide_scratch(int64_t floats) {
+  struct Free {
+    void operator()(float* p) const { std::free(p); }
+  };
+  thread_local std::unique_ptr<float, Free> buffer;
+  thread_local int64_t capacity = 0;
+  if (floats > capacity) {
+    const int64_t bytes = (floats * 4 + 63) / 64 * 64;
+    buffer.reset(static_cast<float*>(std::aligned_alloc(64, bytes)));
+    TORCH_CHECK(buffer, "linear_avx512: out of memory for ", bytes, " bytes of scratch");
+    capacity = floats;
+  }
+  return buffer.get();
+}
+#endif
+
 // Rows [m0, m1) x blocks [j0, j1), one group at a time: the blocks of one panel inside the
 // range (a whole panel but maybe at the ends), all row tiles over it. Each tile pulls the
 // rows of the tile after it into L2 (with many rows they come from L3). With at least two
@@ -259,8 +361,15 @@ void tile_rows(const Problem& P, int64_t m, int64_t rows, const uint16_t* w, int
 // rows the group is a stream from memory that the hardware prefetchers serve better alone:
 // a second, software stream one panel ahead made it slower.
 void part(const Problem& P, int64_t m0, int64_t m1, int64_t j0, int64_t j1) {
-  const int64_t row_tiles = ceil_div(m1 - m0, kRows);
-  const bool pull = m1 - m0 >= 2 * kRows;
+#ifdef ALIGNEDSERVE_LINEAR_WIDE
+  const bool wide = P.xw != nullptr;
+  const int64_t tile_rows_max = wide ? kWideRows : kRows;
+  float* scratch = wide ? wide_scratch(P.KP * 2 * kPanelBlocks * kBlock) : nullptr;
+#else
+  const int64_t tile_rows_max = kRows;
+#endif
+  const int64_t row_tiles = ceil_div(m1 - m0, tile_rows_max);
+  const bool pull = m1 - m0 >= 2 * tile_rows_max;
   auto group_end = [&](int64_t j) {
     return std::min(j1, (j / kPanelBlocks + 1) * kPanelBlocks);
   };
@@ -270,14 +379,35 @@ void part(const Problem& P, int64_t m0, int64_t m1, int64_t j0, int64_t j1) {
     const int64_t next = pull && j_end < j1 ? group_end(j_end) - j_end : 0;  // lines a step
     const auto [w_next, w_next_step] = next ? block_at(P, j_end) : std::pair{w, w_step};
     const int64_t per_tile = ceil_div(next, row_tiles);
-    for (int64_t m = m0, t = 0; m < m1; m += kRows, ++t) {
-      const int64_t rows = std::min<int64_t>(kRows, m1 - m);
+#ifdef ALIGNEDSERVE_LINEAR_WIDE
+    if (wide) widen_group(P, w, w_step, cols, scratch);
+    const char* x_base = wide ? reinterpret_cast<const char*>(P.xw)
+                              : reinterpret_cast<const char*>(P.x);
+    const int64_t x_row = wide ? 2 * P.KP * 4 : P.x_stride * 2, x_bytes = wide ? 8 : 4;
+#else
+    const char* x_base = reinterpret_cast<const char*>(P.x);
+    const int64_t x_row = P.x_stride * 2, x_bytes = 4;
+#endif
+    for (int64_t m = m0, t = 0; m < m1; m += tile_rows_max, ++t) {
+      const int64_t rows = std::min<int64_t>(tile_rows_max, m1 - m);
       const int64_t q0 = std::min(next, t * per_tile);
-      const int64_t m_next = m + kRows < m1 ? m + kRows : m0;
+      const int64_t m_next = m + tile_rows_max < m1 ? m + tile_rows_max : m0;
       const Ahead ahead{w_next + q0 * kBlock * 2, w_next_step,
-                        std::min(next, q0 + per_tile) - q0, P.x + m_next * P.x_stride,
-                        row_tiles > 1 ? std::min<int64_t>(kRows, m1 - m_next) : 0};
+                        std::min(next, q0 + per_tile) - q0, x_base + m_next * x_row, x_row,
+                        x_bytes,
+                        row_tiles > 1 ? std::min<int64_t>(tile_rows_max, m1 - m_next) : 0};
       const int64_t col = j * kBlock;
+#ifdef ALIGNEDSERVE_LINEAR_WIDE
+      if (wide) {
+        switch (cols) {
+          case 1: wide_tile_rows<1>(P, m, rows, scratch, col, ahead); break;
+          case 2: wide_tile_rows<2>(P, m, rows, scratch, col, ahead); break;
+          case 3: wide_tile_rows<3>(P, m, rows, scratch, col, ahead); break;
+          default: wide_tile_rows<4>(P, m, rows, scratch, col, ahead); break;
+        }
+        continue;
+      }
+#endif
       switch (cols) {
         case 1: tile_rows<1>(P, m, rows, w, w_step, col, ahead); break;
         case 2: tile_rows<2>(P, m, rows, w, w_step, col, ahead); break;
@@ -358,12 +488,39 @@ at::Tensor linear_avx512(const at::Tensor& x, const at::Tensor& packed,
     rows = padded;
     x_stride = K + 32;
   }
+  // Declared first so that a widened copy of x (wide_tile) outlives the call's threads.
+  at::Tensor widened;
+  auto widened_rows = [&](const at::Tensor& x_rows, int64_t stride, int64_t M,
+                          int64_t K) -> const float* {
+#ifdef ALIGNEDSERVE_LINEAR_WIDE
+    if (M < kWideMinRows) return nullptr;
+    const int64_t KP2 = ceil_div(K, 2) * 2;
+    widened = at::empty({M, KP2}, x_rows.options().dtype(at::kFloat));
+    const auto* src = static_cast<const uint16_t*>(x_rows.data_ptr());
+    auto* dst = static_cast<float*>(widened.data_ptr());
+    at::parallel_for(0, M, 16, [&](int64_t lo, int64_t hi) {
+      for (int64_t r = lo; r < hi; ++r) {
+        const uint16_t* in = src + r * stride;
+        float* out = dst + r * KP2;
+        for (int64_t k = 0; k < K; ++k) {  // bf16 -> fp32 is a 16-bit shift
+          const uint32_t bits = static_cast<uint32_t>(in[k]) << 16;
+          std::memcpy(out + k, &bits, 4);
+        }
+        if (KP2 > K) dst[r * KP2 + K] = 0.0f;
+      }
+    });
+    return dst;
+#else
+    (void)x_rows, (void)stride, (void)M, (void)K;
+    return nullptr;
+#endif
+  };
   const Problem P{reinterpret_cast<const uint16_t*>(rows.data_ptr()), x_stride,
                   reinterpret_cast<const uint16_t*>(packed.data_ptr()),
                   bias.defined() ? bias.data_ptr() : nullptr,
                   bias.defined() && bias.scalar_type() == at::kBFloat16,
                   reinterpret_cast<uint16_t*>(out.data_ptr()),
-                  M, N, K, ceil_div(K, 2), swiglu, out_cols};
+                  M, N, K, ceil_div(K, 2), swiglu, out_cols, widened_rows(rows, x_stride, M, K)};
   const int64_t NB = ceil_div(N, kBlock);
   const int64_t T = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), NB * M));
   const int64_t tm = split_rows(M, NB, T), tn = T / tm;
