@@ -29,9 +29,13 @@
 //   * O^T += V^T . P^T: V is packed once per call into pairs of keys per dim ([S/2][D] words)
 //     so that (V[2r][d], V[2r+1][d]) is one broadcast. A register block of up to 3 heads x 8
 //     dims; the accumulators live in memory between key blocks.
-//   * A tiled cache is read in place, with no copy per call: its V plane is that packed layout
-//     already, and its K plane keeps each key's pair of dims as one word too (16 keys of a
-//     block side by side per pair), so only the addressing of the broadcasts changes. Results
+//   * Without AVX512-BF16 (the avx512 path) every operand is widened to fp32 first (kWide
+//     below): each vdpbf16ps step is then two FMAs broadcasting from memory, with nothing
+//     split or broadcast through the FMA ports.
+//   * A tiled cache is read in place (widened in its own layout without AVX512-BF16), with no
+//     repacking per call: its V plane is that packed layout already, and its K plane keeps
+//     each key's pair of dims as one word too (16 keys of a block side by side per pair), so
+//     only the addressing of the broadcasts changes. Results
 //     agree with the token-major call to rounding (a rare score moves by an fp32 ulp; the
 //     cause was not found), so a caller sends all of a prompt's chunks the same way.
 //
@@ -66,6 +70,8 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "amx.h"  // exp2_nonpos, kMaskedScore (defined on every AVX-512 build)
@@ -87,6 +93,19 @@ constexpr int kQ = 16;     // query positions per item: one fp32 lane each
 constexpr int kB = 128;    // keys per block, blocks aligned to absolute positions
 constexpr int kStep = 16;  // the last block is cut after the 16 keys holding the item's last query
 constexpr int kMaxBatch = 3;  // query heads per register block
+// Widened operands (no AVX512-BF16: the avx512 path). There each vdpbf16ps is two FMAs
+// (bf16_pairs.h), and the pair steps of block_scores / block_values also split one operand
+// into its odd and even elements and broadcast the other's two from a general register, all
+// on the FMA ports. So that build widens everything to fp32 first, once: K into token rows
+// and V into pairs per call (widen_kv), Q^T per item, P^T as the softmax writes it; each FMA
+// then takes its broadcast straight from memory. The products and their order are the
+// emulated steps' (odd element first), so the results are the same bits.
+#if defined(__AVX512BF16__)
+constexpr bool kWide = false;
+#else
+constexpr bool kWide = true;
+#endif
+constexpr int64_t kWidth = kWide ? 2 : 1;  // 32-bit words per pair element in Q^T and P^T
 constexpr float kLog2e = 1.4426950408889634f;
 // The softmax exponential and the masked score shared with the AMX kernels (amx.h): 2^x for
 // x <= 0 with q(0) = 1 exactly, so the dominant probability of a row is exactly 1.
@@ -110,15 +129,23 @@ struct Problem {
   int64_t T, H, KVH, D, S, start, group;
   float scale_log2;
   bool tiled;          // k, vp are a tiled cache's planes (kv_layout.py)
+  // Without AVX512-BF16 (see "Widened operands" below): K as fp32 token rows and V as fp32
+  // pairs, per kv head kw + g * kw_hstride / vw + g * vw_hstride, zero past S; else null.
+  const float* kw;
+  int64_t kw_hstride;
+  const float* vw;
+  int64_t vw_hstride;
 };
 
 // Per-thread buffers, 64-byte aligned: per-head state for a whole GQA group, block buffers for
 // one batch of heads.
 struct Scratch {
   std::vector<uint32_t> raw;
-  uint32_t* qt;     // [group][D/2][16]: Q^T, bf16 pairs of dims per query lane
+  uint32_t* qt;     // [group][D/2][16]: Q^T, bf16 pairs of dims per query lane (kWide:
+                    //   [group][D/2][2][16] floats, dim 2j + 1's lanes, then dim 2j's)
   float* s;         // [kMaxBatch][kB][16]: one block's raw scores per head of the batch
-  uint32_t* p;      // [kMaxBatch][kB/2][16]: P^T, bf16 pairs of keys per query lane
+  uint32_t* p;      // [kMaxBatch][kB/2][16]: P^T, bf16 pairs of keys per query lane (kWide:
+                    //   [kMaxBatch][kB/2][2][16] floats, key 2r + 1's, then key 2r's)
   float* acc;       // [group][D][16]: O^T accumulators
   float* m;         // [group][16]: running max (log2 domain, scaled)
   float* l;         // [group][16]: running sum
@@ -128,9 +155,10 @@ struct Scratch {
 
   explicit Scratch(const Problem& P) {
     const int64_t G = P.group, D = P.D;
-    const int64_t words = G * (D / 2) * 16 + kMaxBatch * kB * 16 + kMaxBatch * (kB / 2) * 16 +
-                          G * D * 16 + 2 * G * 16 + 2 * (kStep * D / 2) + (D / 2) * 16 +
-                          9 * 16;
+    // Q^T and P^T take twice the words where they are widened to fp32 (kWide).
+    const int64_t words = kWidth * G * (D / 2) * 16 + kMaxBatch * kB * 16 +
+                          kWidth * kMaxBatch * (kB / 2) * 16 + G * D * 16 + 2 * G * 16 +
+                          2 * (kStep * D / 2) + (D / 2) * 16 + 9 * 16;
     raw.assign(words + 16, 0u);
     auto* base = reinterpret_cast<uint32_t*>(
         (reinterpret_cast<uintptr_t>(raw.data()) + 63) & ~uintptr_t{63});
@@ -139,9 +167,9 @@ struct Scratch {
       base += (n + 15) / 16 * 16;
       return r;
     };
-    qt = take(G * (D / 2) * 16);
+    qt = take(kWidth * G * (D / 2) * 16);
     s = reinterpret_cast<float*>(take(kMaxBatch * kB * 16));
-    p = take(kMaxBatch * (kB / 2) * 16);
+    p = take(kWidth * kMaxBatch * (kB / 2) * 16);
     acc = reinterpret_cast<float*>(take(G * D * 16));
     m = reinterpret_cast<float*>(take(G * 16));
     l = reinterpret_cast<float*>(take(G * 16));
@@ -160,21 +188,56 @@ struct Item {
 
 // Q^T of head `head` for the chunk's queries i0 .. i0 + nq - 1 (lanes 0 .. nq - 1); other lanes
 // are 0.
+// kWide: each pair as two fp32 rows of lanes, the odd dim's first (Scratch::qt).
 void pack_queries(const Problem& P, int64_t i0, int nq, int64_t head, uint32_t* qt) {
   const int64_t words = P.D / 2;
-  std::memset(qt, 0, words * 16 * 4);
+  std::memset(qt, 0, kWidth * words * 16 * 4);
   for (int lane = 0; lane < nq; ++lane) {
     const uint16_t* row = P.q + (i0 + lane) * P.q_stride + head * P.D;
     for (int64_t j = 0; j < words; ++j) {
       uint32_t w;
       std::memcpy(&w, row + 2 * j, 4);
-      qt[j * 16 + lane] = w;
+      if constexpr (kWide) {  // bf16 -> fp32 is a 16-bit shift
+        qt[(2 * j) * 16 + lane] = w & 0xFFFF0000u;
+        qt[(2 * j + 1) * 16 + lane] = w << 16;
+      } else {
+        qt[j * 16 + lane] = w;
+      }
     }
   }
 }
 
 // In a tiled K block a key's dim pairs j and j + 1 are this many 32-bit words apart.
 constexpr int64_t kKeyWordStride = tiled::key_dim(2) / 2;
+
+// A score block's end: masked keys get kMaskedScore, the scores are stored, and the block's
+// running max is taken while they are in registers.
+template <int NH, int NK, bool kMask>
+inline __attribute__((always_inline)) void finish_scores(__m512 (&acc)[NH][NK],
+                                                         float* const* s, __m512i qpos,
+                                                         int32_t key0, __m512* bmax) {
+#pragma GCC unroll 16
+  for (int kk = 0; kk < NK; ++kk) {
+    __mmask16 future = 0;
+    if (kMask) future = _mm512_cmplt_epi32_mask(qpos, _mm512_set1_epi32(key0 + kk));
+#pragma GCC unroll 3
+    for (int h = 0; h < NH; ++h) {
+      if (kMask) acc[h][kk] = _mm512_mask_mov_ps(acc[h][kk], future, _mm512_set1_ps(kMaskedScore));
+      _mm512_store_ps(s[h] + kk * 16, acc[h][kk]);
+    }
+  }
+  // The block's running max, taken here while the scores are in registers (four chains).
+  // Max is exact, so its order cannot change a result.
+#pragma GCC unroll 3
+  for (int h = 0; h < NH; ++h) {
+    __m512 mx[4] = {acc[h][0], acc[h][1], acc[h][2], acc[h][3]};
+#pragma GCC unroll 16
+    for (int kk = 4; kk < NK; ++kk) mx[kk % 4] = _mm512_max_ps(mx[kk % 4], acc[h][kk]);
+    const __m512 chunk_max =
+        _mm512_max_ps(_mm512_max_ps(mx[0], mx[1]), _mm512_max_ps(mx[2], mx[3]));
+    bmax[h] = _mm512_max_ps(bmax[h], chunk_max);
+  }
+}
 
 // Raw scores of NK consecutive keys for NH heads: s[h] row kk = sum over dim pairs j of
 // Q^T[j] . (K[kk][2j], K[kk][2j+1]). The pair (K[kk][2j], K[kk][2j+1]) is word kk * D/2 + j of
@@ -200,27 +263,7 @@ inline void block_scores(const uint32_t* const* qt, const uint16_t* krows, int64
       for (int h = 0; h < NH; ++h) acc[h][kk] = bf16::dot_word(acc[h][kk], qv[h], word);
     }
   }
-#pragma GCC unroll 16
-  for (int kk = 0; kk < NK; ++kk) {
-    __mmask16 future = 0;
-    if (kMask) future = _mm512_cmplt_epi32_mask(qpos, _mm512_set1_epi32(key0 + kk));
-#pragma GCC unroll 3
-    for (int h = 0; h < NH; ++h) {
-      if (kMask) acc[h][kk] = _mm512_mask_mov_ps(acc[h][kk], future, _mm512_set1_ps(kMaskedScore));
-      _mm512_store_ps(s[h] + kk * 16, acc[h][kk]);
-    }
-  }
-  // The block's running max, taken here while the scores are in registers (four chains).
-  // Max is exact, so its order cannot change a result.
-#pragma GCC unroll 3
-  for (int h = 0; h < NH; ++h) {
-    __m512 mx[4] = {acc[h][0], acc[h][1], acc[h][2], acc[h][3]};
-#pragma GCC unroll 16
-    for (int kk = 4; kk < NK; ++kk) mx[kk % 4] = _mm512_max_ps(mx[kk % 4], acc[h][kk]);
-    const __m512 chunk_max =
-        _mm512_max_ps(_mm512_max_ps(mx[0], mx[1]), _mm512_max_ps(mx[2], mx[3]));
-    bmax[h] = _mm512_max_ps(bmax[h], chunk_max);
-  }
+  finish_scores<NH, NK, kMask>(acc, s, qpos, key0, bmax);
 }
 
 // Online softmax over the first n (a multiple of 16) score rows of one head's block, whose max
@@ -247,8 +290,18 @@ inline bool softmax_rows(const float* s, int n, __m512 raw_max, float* m, float*
       const __m512 p0 = exp2_nonpos(_mm512_fmsub_ps(_mm512_load_ps(row), scale, new_max));
       const __m512 p1 = exp2_nonpos(_mm512_fmsub_ps(_mm512_load_ps(row + 16), scale, new_max));
       sum[u] = _mm512_add_ps(sum[u], _mm512_add_ps(p0, p1));
-      const __m512i both = bf16::round32(p1, p0);
-      _mm512_store_si512(p + (r + u) * 16, _mm512_permutexvar_epi16(perm, both));
+      if constexpr (kWide) {  // key 2(r + u) + 1's lanes, then 2(r + u)'s, as fp32
+        auto widened = [](__m512 x) {  // rounded to bf16 as the pair form is, widened back
+          return _mm512_castsi512_ps(
+              _mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16::round16(x)), 16));
+        };
+        float* pw = reinterpret_cast<float*>(p) + (r + u) * 32;
+        _mm512_store_ps(pw, widened(p1));
+        _mm512_store_ps(pw + 16, widened(p0));
+      } else {
+        const __m512i both = bf16::round32(p1, p0);
+        _mm512_store_si512(p + (r + u) * 16, _mm512_permutexvar_epi16(perm, both));
+      }
     }
   }
   __m512 l_old = _mm512_load_ps(l);
@@ -296,11 +349,90 @@ inline void block_values(const uint32_t* p, int npairs, const uint32_t* vp, int6
   }
 }
 
+// block_scores on widened operands (kWide): Q^T as fp32 rows (odd dim's lanes, then even's)
+// and K widened element for element from the cache's layout, so K[kk][d] is element
+// kk * D + d of `krows` (token-major) or, kTiled, kk * 2 + tiled::key_dim(d). Same products,
+// same order.
+template <int NH, int NK, bool kMask, bool kTiled>
+inline void wide_block_scores(const uint32_t* const* qt, const float* krows, int64_t D,
+                              float* const* s, __m512i qpos, int32_t key0, __m512* bmax) {
+  __m512 acc[NH][NK];
+#pragma GCC unroll 24
+  for (int i = 0; i < NH * NK; ++i) acc[i / NK][i % NK] = _mm512_setzero_ps();
+  const int64_t words = D / 2;
+  for (int64_t j = 0; j < words; ++j) {
+#pragma GCC unroll 2
+    for (int e = 1; e >= 0; --e) {  // dim 2j + 1, then 2j
+      __m512 qv[NH];
+#pragma GCC unroll 3
+      for (int h = 0; h < NH; ++h) {
+        qv[h] = _mm512_load_ps(reinterpret_cast<const float*>(qt[h]) + (2 * j + 1 - e) * 16);
+      }
+#pragma GCC unroll 16
+      for (int kk = 0; kk < NK; ++kk) {
+        const int64_t d = 2 * j + e;
+        const __m512 kv = _mm512_set1_ps(krows[kTiled ? kk * 2 + tiled::key_dim(d) : kk * D + d]);
+#pragma GCC unroll 3
+        for (int h = 0; h < NH; ++h) acc[h][kk] = _mm512_fmadd_ps(qv[h], kv, acc[h][kk]);
+      }
+    }
+  }
+  finish_scores<NH, NK, kMask>(acc, s, qpos, key0, bmax);
+}
+
+// block_values on widened operands (kWide): P^T as fp32 rows (key 2r + 1's lanes, then
+// 2r's) and V as fp32 pairs from `vrows` (pair r, dim d: V[2r][d], V[2r + 1][d] at
+// vrows + (r * D + d) * 2, the tiled V layout widened). Same products, same order.
+template <int NH, int ND>
+inline void wide_block_values(const uint32_t* p, int npairs, const float* vrows, int64_t D,
+                              float* acc) {
+  const int64_t acc_stride = D * 16;
+  const auto* pf = reinterpret_cast<const float*>(p);
+  for (int64_t d0 = 0; d0 < D; d0 += ND) {
+    float* a_base = acc + d0 * 16;
+    __m512 a[NH][ND];
+#pragma GCC unroll 3
+    for (int h = 0; h < NH; ++h) {
+#pragma GCC unroll 16
+      for (int dd = 0; dd < ND; ++dd) a[h][dd] = _mm512_load_ps(a_base + h * acc_stride + dd * 16);
+    }
+    for (int r = 0; r < npairs; ++r) {
+      const float* vrow = vrows + (r * D + d0) * 2;
+#pragma GCC unroll 2
+      for (int e = 0; e < 2; ++e) {  // key 2r + 1, then 2r
+        __m512 pv[NH];
+#pragma GCC unroll 3
+        for (int h = 0; h < NH; ++h) pv[h] = _mm512_load_ps(pf + h * 2 * kPStride + (2 * r + e) * 16);
+#pragma GCC unroll 16
+        for (int dd = 0; dd < ND; ++dd) {
+          const __m512 vv = _mm512_set1_ps(vrow[2 * dd + 1 - e]);
+#pragma GCC unroll 3
+          for (int h = 0; h < NH; ++h) a[h][dd] = _mm512_fmadd_ps(pv[h], vv, a[h][dd]);
+        }
+      }
+    }
+#pragma GCC unroll 3
+    for (int h = 0; h < NH; ++h) {
+#pragma GCC unroll 16
+      for (int dd = 0; dd < ND; ++dd) _mm512_store_ps(a_base + h * acc_stride + dd * 16, a[h][dd]);
+    }
+  }
+}
+
+// One kv head's keys and values as the kernel reads them: the cache's (k: token-major rows or
+// a tiled K plane; v: value pairs), and where widened (kWide) the fp32 copies.
+struct Head {
+  const uint16_t* k;
+  const uint32_t* v;
+  const float* kw;
+  const float* vw;
+};
+
 // One key block [t0, t0 + n) for the NH heads h0 .. h0 + NH - 1 (indices within the group).
 // Keys and value pairs from pad_from on come from the scratch's zero-padded copies.
 template <int NH, bool kTiled>
-void run_block(const Problem& P, Scratch& sc, const uint16_t* k_head, const uint32_t* v_head,
-               int h0, int64_t t0, int n, int64_t pad_from, bool mask, __m512i qpos) {
+void run_block(const Problem& P, Scratch& sc, const Head& head, int h0, int64_t t0, int n,
+               int64_t pad_from, bool mask, __m512i qpos) {
   // Keys per score block: 8 whatever NH (16 broadcast streams for a lone head were slower).
   constexpr int NK = 8;
   constexpr int ND = NH == 1 ? 16 : 8;
@@ -308,21 +440,32 @@ void run_block(const Problem& P, Scratch& sc, const uint16_t* k_head, const uint
   const uint32_t* qt[NH];
   float* s[NH];
   for (int j = 0; j < NH; ++j) {
-    qt[j] = sc.qt + (h0 + j) * (D / 2) * 16;
+    qt[j] = sc.qt + (h0 + j) * kWidth * (D / 2) * 16;
     s[j] = sc.s + j * kB * 16;
   }
   __m512 bmax[NH];
   for (int j = 0; j < NH; ++j) bmax[j] = _mm512_set1_ps(kMaskedScore);
   for (int c = 0; c < n; c += NK) {
     const int64_t key = t0 + c;
+    float* sc_rows[NH];
+    for (int j = 0; j < NH; ++j) sc_rows[j] = s[j] + c * 16;
+    if constexpr (kWide) {  // widened K holds whole 16-key blocks: no padded copy needed
+      const float* krows = head.kw + (kTiled ? tiled::key_row(key, D) : key * D);
+      if (mask) {
+        wide_block_scores<NH, NK, true, kTiled>(qt, krows, D, sc_rows, qpos,
+                                                static_cast<int32_t>(key), bmax);
+      } else {
+        wide_block_scores<NH, NK, false, kTiled>(qt, krows, D, sc_rows, qpos,
+                                                 static_cast<int32_t>(key), bmax);
+      }
+      continue;
+    }
     // Token-major keys from pad_from on are read from the zero-padded copy of the cache's
     // last rows. A tiled plane is read as it is up to the end of the block holding S - 1: its
     // keys from S on are in every lane's future (masked), or only lanes past T see them.
     const uint16_t* krows =
-        kTiled ? k_head + tiled::key_row(key, D)
-               : (key >= pad_from ? sc.kpad + (key - pad_from) * D : k_head + key * D);
-    float* sc_rows[NH];
-    for (int j = 0; j < NH; ++j) sc_rows[j] = s[j] + c * 16;
+        kTiled ? head.k + tiled::key_row(key, D)
+               : (key >= pad_from ? sc.kpad + (key - pad_from) * D : head.k + key * D);
     if (mask) {
       block_scores<NH, NK, true, kTiled>(qt, krows, D, sc_rows, qpos, static_cast<int32_t>(key),
                                          bmax);
@@ -334,7 +477,7 @@ void run_block(const Problem& P, Scratch& sc, const uint16_t* k_head, const uint
   for (int j = 0; j < NH; ++j) {
     __m512 corr;
     if (softmax_rows(s[j], n, bmax[j], sc.m + (h0 + j) * 16, sc.l + (h0 + j) * 16,
-                     sc.p + j * kPStride, corr, P.scale_log2)) {
+                     sc.p + j * kWidth * kPStride, corr, P.scale_log2)) {
       // A separate pass: keeping the factors live through block_values would spill its
       // register block.
       float* acc = sc.acc + (h0 + j) * D * 16;
@@ -343,11 +486,15 @@ void run_block(const Problem& P, Scratch& sc, const uint16_t* k_head, const uint
       }
     }
   }
+  if constexpr (kWide) {  // widened V is zero past S
+    wide_block_values<NH, ND>(sc.p, n / 2, head.vw + t0 * D, D, sc.acc + h0 * D * 16);
+    return;
+  }
   // A tiled plane's value pairs from pad_from on come from the zero-padded copy (a key past S
   // has probability +0, but 0 * a stale inf would be NaN). Two calls sum in the same order.
   const int plane_pairs = kTiled ? static_cast<int>(std::min<int64_t>(n, pad_from - t0)) / 2
                                  : n / 2;
-  block_values<NH, ND>(sc.p, plane_pairs, v_head + (t0 / 2) * D, D, sc.acc + h0 * D * 16);
+  block_values<NH, ND>(sc.p, plane_pairs, head.v + (t0 / 2) * D, D, sc.acc + h0 * D * 16);
   if (plane_pairs < n / 2) {
     block_values<NH, ND>(sc.p + plane_pairs * 16, n / 2 - plane_pairs, sc.vpad, D,
                          sc.acc + h0 * D * 16);
@@ -382,13 +529,12 @@ void store_outputs(const Problem& P, const float* acc, const float* l, int64_t i
 
 // run_block for a batch of `size` heads (1 to kMaxBatch).
 template <bool kTiled>
-inline void run_sized(int size, const Problem& P, Scratch& sc, const uint16_t* k_head,
-                      const uint32_t* v_head, int h0, int64_t t0, int n, int64_t pad_from,
-                      bool mask, __m512i qpos) {
+inline void run_sized(int size, const Problem& P, Scratch& sc, const Head& head, int h0,
+                      int64_t t0, int n, int64_t pad_from, bool mask, __m512i qpos) {
   switch (size) {
-    case 3: return run_block<3, kTiled>(P, sc, k_head, v_head, h0, t0, n, pad_from, mask, qpos);
-    case 2: return run_block<2, kTiled>(P, sc, k_head, v_head, h0, t0, n, pad_from, mask, qpos);
-    default: return run_block<1, kTiled>(P, sc, k_head, v_head, h0, t0, n, pad_from, mask, qpos);
+    case 3: return run_block<3, kTiled>(P, sc, head, h0, t0, n, pad_from, mask, qpos);
+    case 2: return run_block<2, kTiled>(P, sc, head, h0, t0, n, pad_from, mask, qpos);
+    default: return run_block<1, kTiled>(P, sc, head, h0, t0, n, pad_from, mask, qpos);
   }
 }
 
@@ -403,13 +549,16 @@ void run_item(const Problem& P, const Item& it, Scratch& sc) {
       _mm512_set1_epi32(static_cast<int32_t>(p0)),
       _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0));
   for (int h = h_lo; h < h_lo + h_n; ++h) {
-    pack_queries(P, i0, nq, g * P.group + h, sc.qt + h * (D / 2) * 16);
+    pack_queries(P, i0, nq, g * P.group + h, sc.qt + h * kWidth * (D / 2) * 16);
     std::fill_n(sc.m + h * 16, 16, -std::numeric_limits<float>::infinity());
     std::fill_n(sc.l + h * 16, 16, 0.0f);
     std::fill_n(sc.acc + h * D * 16, D * 16, 0.0f);
   }
-  const uint16_t* k_head = P.k + g * P.k_hstride;
-  const uint32_t* v_head = P.vp + g * P.v_hstride;
+  const Head head{P.k + g * P.k_hstride, P.vp + g * P.v_hstride,
+                  kWide ? P.kw + g * P.kw_hstride : nullptr,
+                  kWide ? P.vw + g * P.vw_hstride : nullptr};
+  const uint16_t* k_head = head.k;
+  const uint32_t* v_head = head.v;
   // Blocks up to the one holding p_max; lanes whose position lies in an earlier block see the
   // later ones fully masked, which changes nothing for them (probabilities +0, max unmoved).
   // The last block stops after the 16 keys that hold p_max; keys from S on (at most the last
@@ -417,7 +566,7 @@ void run_item(const Problem& P, const Item& it, Scratch& sc) {
   const int64_t b_last = p_max / kB;
   const int64_t t_end = (p_max + kStep) / kStep * kStep;
   int64_t pad_from = std::numeric_limits<int64_t>::max();
-  if (t_end > P.S) {
+  if (!kWide && t_end > P.S) {  // (widened K and V are zero past S already)
     pad_from = t_end - kStep;
     const int64_t have = P.S - pad_from;
     if (P.tiled) {
@@ -442,9 +591,9 @@ void run_item(const Problem& P, const Item& it, Scratch& sc) {
       const int size = (h_n - done + (batches - bi) - 1) / (batches - bi);
       const int batch = h_lo + done;
       if (P.tiled) {
-        run_sized<true>(size, P, sc, k_head, v_head, batch, t0, n, pad_from, mask, qpos);
+        run_sized<true>(size, P, sc, head, batch, t0, n, pad_from, mask, qpos);
       } else {
-        run_sized<false>(size, P, sc, k_head, v_head, batch, t0, n, pad_from, mask, qpos);
+        run_sized<false>(size, P, sc, head, batch, t0, n, pad_from, mask, qpos);
       }
       done += size;
     }
@@ -491,6 +640,48 @@ at::Tensor pack_values(const at::Tensor& v, int64_t s_pad) {
   return vp;
 }
 
+// kWide: keys [0, s16) (s16 = S rounded up to 16) of every kv head's K, and their value
+// pairs (`vp`: pack_values' words or a tiled V plane), widened to fp32 element for element,
+// so K keeps its layout (token-major rows or tiled blocks) and V is [s16 / 2][D][2]. Token-
+// major keys from S on become zero (the kernel reads whole 16-key blocks), and so do values
+// from S on (a key past S has probability +0, but 0 * a stale inf would be NaN).
+std::pair<at::Tensor, at::Tensor> widen_kv(const at::Tensor& k, const uint32_t* vp,
+                                           int64_t v_hstride, int64_t S, bool tiled) {
+  const int64_t kvh = k.size(0), D = k.size(2), s16 = (S + 15) / 16 * 16, blocks = s16 / 16;
+  const auto opts = k.options().dtype(at::kFloat);
+  at::Tensor kw = at::empty({kvh, s16, D}, opts), vw = at::empty({kvh, s16, D}, opts);
+  const auto* ks = reinterpret_cast<const uint16_t*>(k.data_ptr());
+  const auto* vs = reinterpret_cast<const uint16_t*>(vp);
+  float* kd = kw.data_ptr<float>();
+  float* vd = vw.data_ptr<float>();
+  const int64_t k_hs = k.stride(0), block = 16 * D;  // a 16-key block: 16 * D elements
+  auto widen = [](const uint16_t* src, float* dst, int64_t n) {  // n % 16 == 0
+    for (int64_t i = 0; i < n; i += 16) {
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i));
+      _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(
+                                    _mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16)));
+    }
+  };
+  at::parallel_for(0, kvh * blocks, 16, [&](int64_t lo, int64_t hi) {
+    for (int64_t task = lo; task < hi; ++task) {
+      const int64_t g = task / blocks, t0 = task % blocks * 16;
+      float* kb = kd + (g * s16 + t0) * D;
+      float* vb = vd + (g * s16 + t0) * D;
+      const int64_t have = std::min<int64_t>(16, S - t0);  // keys of the block below S
+      if (tiled || have == 16) {
+        widen(ks + g * k_hs + t0 * D, kb, block);
+      } else {  // the last token-major rows, then zeros
+        widen(ks + g * k_hs + t0 * D, kb, have * D);
+        std::fill(kb + have * D, kb + block, 0.0f);
+      }
+      widen(vs + 2 * (g * v_hstride) + t0 * D, vb, block);
+      for (int64_t t = t0 + have; t < t0 + 16; ++t)
+        for (int64_t d = 0; d < D; ++d) vb[tiled::value_row(t - t0, D) + tiled::value_dim(d)] = 0.0f;
+    }
+  });
+  return {kw, vw};
+}
+
 #endif  // ALIGNEDSERVE_PREFILL_AVX512
 
 bool prefill_avx512_available() {
@@ -506,22 +697,27 @@ at::Tensor prefill_attention_avx512(const at::Tensor& q, const at::Tensor& k, co
   TORCH_CHECK(prefill_avx512_available(),
               "prefill_attention_avx512: this build has no AVX-512 kernel");
   checks::prefill_inputs(q, k, v, start, scale, 32, "prefill_attention_avx512", tiled);
-  const int64_t T = q.size(0), H = q.size(1), D = q.size(2), KVH = k.size(0);
-  const int64_t S = start + T;
+  const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
   at::Tensor out = at::empty({T, H, D}, q.options());
 #ifdef ALIGNEDSERVE_PREFILL_AVX512
   if (T == 0) return out;
+  const int64_t KVH = k.size(0), S = start + T;
   const int64_t s_pad = (S + kB - 1) / kB * kB;
   // A tiled V plane already stores pairs of keys per dim: the kernel reads it in place.
   const at::Tensor vp = tiled ? v : pack_values(v, s_pad);
   const int64_t v_hstride = tiled ? v.stride(0) / 2 : (s_pad / 2) * D;
   const int64_t group = H / KVH;
+  const auto* v_pairs = reinterpret_cast<const uint32_t*>(vp.data_ptr());
+  at::Tensor kw, vw;  // the widened copies (kWide), alive until the items are done
+  if constexpr (kWide) std::tie(kw, vw) = widen_kv(k, v_pairs, v_hstride, S, tiled);
   Problem P{reinterpret_cast<const uint16_t*>(q.data_ptr()), q.stride(0),
             reinterpret_cast<const uint16_t*>(k.data_ptr()), k.stride(0),
-            reinterpret_cast<const uint32_t*>(vp.data_ptr()), v_hstride,
+            v_pairs, v_hstride,
             reinterpret_cast<uint16_t*>(out.data_ptr()),
             T, H, KVH, D, S, start, group,
-            static_cast<float>(scale) * kLog2e, tiled};
+            static_cast<float>(scale) * kLog2e, tiled,
+            kWide ? kw.data_ptr<float>() : nullptr, kWide ? kw.size(1) * D : 0,
+            kWide ? vw.data_ptr<float>() : nullptr, kWide ? vw.size(1) * D : 0};
   const int64_t qb_count = (T + kQ - 1) / kQ;
   const int threads = at::get_num_threads();
   // Split the group's heads into separate items when whole-group items are too few to
