@@ -43,7 +43,8 @@
 // says what is prefetched, and when). Where there are too few columns for the threads, they
 // split the rows instead (split_rows()). Without AVX512-BF16 each step is two FMAs on the
 // weights' odd and even elements, split once per panel step (8 registers), so the tile is
-// 5 x 64: 20 accumulators + 8 weight + 2 broadcast registers.
+// 5 x 64: 20 accumulators + 8 weight + 2 broadcast registers; from kWideMinRows rows both
+// operands are widened to fp32 first and the tile is 6 x 64 (wide_tile, further down).
 //
 // Compiled everywhere; the kernel itself only where the compiler targets AVX-512 F, BW and VL
 // (with or without AVX512-BF16). Elsewhere linear_avx512_available() is false and

@@ -96,9 +96,9 @@ constexpr int kMaxBatch = 3;  // query heads per register block
 // Widened operands (no AVX512-BF16: the avx512 path). There each vdpbf16ps is two FMAs
 // (bf16_pairs.h), and the pair steps of block_scores / block_values also split one operand
 // into its odd and even elements and broadcast the other's two from a general register, all
-// on the FMA ports. So that build widens everything to fp32 first, once: K into token rows
-// and V into pairs per call (widen_kv), Q^T per item, P^T as the softmax writes it; each FMA
-// then takes its broadcast straight from memory. The products and their order are the
+// on the FMA ports. So that build widens everything to fp32 first, once: K and V per call,
+// element for element in their layouts (widen_kv), Q^T per item, P^T as the softmax writes
+// it; each FMA then takes its broadcast straight from memory. The products and their order are the
 // emulated steps' (odd element first), so the results are the same bits.
 #if defined(__AVX512BF16__)
 constexpr bool kWide = false;
@@ -129,8 +129,8 @@ struct Problem {
   int64_t T, H, KVH, D, S, start, group;
   float scale_log2;
   bool tiled;          // k, vp are a tiled cache's planes (kv_layout.py)
-  // Without AVX512-BF16 (see "Widened operands" below): K as fp32 token rows and V as fp32
-  // pairs, per kv head kw + g * kw_hstride / vw + g * vw_hstride, zero past S; else null.
+  // Without AVX512-BF16 (kWide): K and V widened to fp32 in the layouts of k and vp (widen_kv),
+  // kv head g at kw + g * kw_hstride / vw + g * vw_hstride; else null.
   const float* kw;
   int64_t kw_hstride;
   const float* vw;
