@@ -1253,24 +1253,36 @@ void run_items_tiled(const Problem& P, const Plan& plan) {
 // Per-head accumulators a pass keeps in registers once its two widened rows and a broadcast
 // are live (AVX2: five of the eight two-register vectors).
 constexpr int kFmaHeads = std::min(8, kVecRegisters - 3);
+// Accumulator sets per head: with 32 registers, the two halves of a pair (dims 2j and 2j+1 of
+// a K block row, or a V pair's two tokens) go to separate accumulators, so each head's sum is
+// two dependency chains and the FMA ports, not the FMA latency, set the pace (with three heads
+// one chain per head left them idle half the time). AVX2's two-register vectors already give
+// two chains per head, and a second set would not fit its sixteen registers.
+constexpr int kFmaSets = kVecRegisters >= 32 ? 2 : 1;
 
 // Scores of NH heads over one 16-token K block: lane t of head h is the sum over dim pairs j
 // of q[h][2j] K[t][2j] + q[h][2j+1] K[t][2j+1]. Row j of the block widens into dim 2j of the
 // 16 tokens and dim 2j+1 (vload_pairs), each multiplied by one broadcast q value: a head's 16
-// scores with no horizontal sums. q: NH rows of 64, pre-scaled (log2 domain).
+// scores with no horizontal sums. q: NH rows of 64, pre-scaled (log2 domain). With two sets,
+// the even dims' and the odd dims' sums are added at the end.
 template <int NH>
 inline void fma_score_block(const float* q, const uint16_t* kb, float* scores, int64_t padded) {
-  Vec acc[NH];
-  for (Vec& a : acc) a = vzero();
+  Vec acc[kFmaSets][NH];
+  for (auto& set : acc) {
+    for (Vec& a : set) a = vzero();
+  }
   for (int j = 0; j < kTiledDim / 2; ++j) {
     Vec even, odd;
     vload_pairs(kb + j * 2 * kKeyBlock, even, odd);
     for (int h = 0; h < NH; ++h) {
-      acc[h] = vfma(even, vset1(q[h * kTiledDim + 2 * j]), acc[h]);
-      acc[h] = vfma(odd, vset1(q[h * kTiledDim + 2 * j + 1]), acc[h]);
+      acc[0][h] = vfma(even, vset1(q[h * kTiledDim + 2 * j]), acc[0][h]);
+      acc[kFmaSets - 1][h] = vfma(odd, vset1(q[h * kTiledDim + 2 * j + 1]),
+                                  acc[kFmaSets - 1][h]);
     }
   }
-  for (int h = 0; h < NH; ++h) vstore(scores + h * padded, acc[h]);
+  for (int h = 0; h < NH; ++h) {
+    vstore(scores + h * padded, kFmaSets == 2 ? vadd(acc[0][h], acc[1][h]) : acc[0][h]);
+  }
 }
 
 // Pass 1: scores of the span's `padded` / 16 K blocks into scores[h * padded + t]. A partial
@@ -1297,9 +1309,11 @@ void fma_scores(const float* q, const uint16_t* k, int64_t padded, int64_t group
 template <int NH, int NC>
 void fma_value_chunks(const float* p, int64_t p_stride, const uint16_t* v, int64_t n, int c0,
                       float* acc, Prefetcher* pf) {
-  Vec sums[NH][NC];
-  for (auto& head : sums) {
-    for (Vec& a : head) a = vzero();
+  Vec sums[kFmaSets][NH][NC];  // with two sets: a pair's first token, its second token
+  for (auto& set : sums) {
+    for (auto& head : set) {
+      for (Vec& a : head) a = vzero();
+    }
   }
   const auto add_pair = [&](int64_t i, bool both) {
     const uint16_t* vp = v + i * 2 * kTiledDim + c0 * 2 * kLanes;
@@ -1307,8 +1321,11 @@ void fma_value_chunks(const float* p, int64_t p_stride, const uint16_t* v, int64
       Vec first, second;
       vload_pairs(vp + c * 2 * kLanes, first, second);
       for (int h = 0; h < NH; ++h) {
-        sums[h][c] = vfma(first, vset1(p[h * p_stride + 2 * i]), sums[h][c]);
-        if (both) sums[h][c] = vfma(second, vset1(p[h * p_stride + 2 * i + 1]), sums[h][c]);
+        sums[0][h][c] = vfma(first, vset1(p[h * p_stride + 2 * i]), sums[0][h][c]);
+        if (both) {
+          Vec& to = sums[kFmaSets - 1][h][c];
+          to = vfma(second, vset1(p[h * p_stride + 2 * i + 1]), to);
+        }
       }
     }
   };
@@ -1318,7 +1335,10 @@ void fma_value_chunks(const float* p, int64_t p_stride, const uint16_t* v, int64
   }
   if (n % 2) add_pair(n / 2, false);
   for (int h = 0; h < NH; ++h) {
-    for (int c = 0; c < NC; ++c) vstore(acc + h * kTiledDim + (c0 + c) * kLanes, sums[h][c]);
+    for (int c = 0; c < NC; ++c) {
+      const Vec sum = kFmaSets == 2 ? vadd(sums[0][h][c], sums[1][h][c]) : sums[0][h][c];
+      vstore(acc + h * kTiledDim + (c0 + c) * kLanes, sum);
+    }
   }
 }
 
