@@ -2,11 +2,12 @@
 
 cold: 30 layers over 64 rows whose lengths follow the varied workload (log-uniform 64..3072
 plus 128 decoded tokens), each row its own cache as in the engine; every call reads each
-row's KV once, so the rows come from DRAM. hot: 8 rows of 1,000 tokens, one layer, called
-repeatedly (~6 MB in bf16: stays in cache), i.e. the kernel's arithmetic rate.
+row's KV once, so the rows come from DRAM (``--huge-pages``: caches on huge pages, as the
+engine allocates them). hot: 8 rows of ``--hot-length`` tokens (1,000: ~6 MB in bf16, L3;
+250 stays in L2), one layer, called repeatedly, i.e. the kernel's arithmetic rate.
 
     python benchmarks/attention_micro.py [--dtypes bfloat16 float8_e5m2] [--threads 2] [--tiled]
-        [--path amx|avx512_bf16|avx512|avx2|reference]
+        [--path amx|avx512_bf16|avx512|avx2|reference] [--huge-pages] [--hot-length 1000]
     python benchmarks/attention_micro.py --huge-pages-ab [--length 640]
     python benchmarks/attention_micro.py --layout-ab [--length 640]
 
@@ -83,6 +84,9 @@ def main() -> None:
     parser.add_argument("--layout-ab", action="store_true",
                         help="tiled vs token-major bf16 kernel, alternating (huge pages)")
     parser.add_argument("--length", type=int, default=640, help="tokens per row (A/B only)")
+    parser.add_argument("--huge-pages", action="store_true",
+                        help="cold caches on huge pages (alignedserve.huge_pages)")
+    parser.add_argument("--hot-length", type=int, default=1000, help="tokens per hot row")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     kernels = select_kernels(args.path)
@@ -95,15 +99,20 @@ def main() -> None:
         return
     rng = random.Random(0)
     varied = [int(math.exp(rng.uniform(math.log(64), math.log(3072)))) + 128 for _ in range(64)]
+    if args.huge_pages:
+        require_huge_pages()
     for name in args.dtypes:
         dtype = getattr(torch, name)
         pairs = sum(varied) * KV_HEADS * LAYERS
-        cold = run(kernels, dtype, varied, LAYERS, calls=5, tiled=args.tiled)
-        hot = run(kernels, dtype, [1000] * 8, 1, calls=300, tiled=args.tiled)
+        caches = make_caches(dtype, varied, LAYERS, HugePageArena() if args.huge_pages else None)
+        cold = run(kernels, dtype, varied, LAYERS, calls=5, tiled=args.tiled, caches=caches)
+        del caches
+        hot_rows = [args.hot_length] * 8
+        hot = run(kernels, dtype, hot_rows, 1, calls=300, tiled=args.tiled)
         nbytes = pairs * 2 * DIM * dtype.itemsize
         print(f"{name}: cold {cold * 1e3:.1f} ms per 30 layers x 64 rows ({sum(varied)} tokens), "
               f"{nbytes / cold / 1e9:.1f} GB/s, {pairs / cold / 1e6:.0f} M (token, kv head)/s; "
-              f"hot {8000 * KV_HEADS / hot / 1e6:.0f} M (token, kv head)/s")
+              f"hot {sum(hot_rows) * KV_HEADS / hot / 1e6:.0f} M (token, kv head)/s")
 
 
 def alternate(runs: dict[str, Callable[[], float]], rounds: int) -> dict[str, list[float]]:
