@@ -1260,6 +1260,9 @@ constexpr int kFmaHeads = std::min(8, kVecRegisters - 3);
 // two chains per head, and a second set would not fit its sixteen registers.
 constexpr int kFmaSets = kVecRegisters >= 32 ? 2 : 1;
 
+// A head's finished sum from its first and last accumulator set (the same one with one set).
+inline Vec sum_sets(Vec first, Vec last) { return kFmaSets == 2 ? vadd(first, last) : first; }
+
 // Scores of NH heads over one 16-token K block: lane t of head h is the sum over dim pairs j
 // of q[h][2j] K[t][2j] + q[h][2j+1] K[t][2j+1]. Row j of the block widens into dim 2j of the
 // 16 tokens and dim 2j+1 (vload_pairs), each multiplied by one broadcast q value: a head's 16
@@ -1281,7 +1284,7 @@ inline void fma_score_block(const float* q, const uint16_t* kb, float* scores, i
     }
   }
   for (int h = 0; h < NH; ++h) {
-    vstore(scores + h * padded, kFmaSets == 2 ? vadd(acc[0][h], acc[1][h]) : acc[0][h]);
+    vstore(scores + h * padded, sum_sets(acc[0][h], acc[kFmaSets - 1][h]));
   }
 }
 
@@ -1336,8 +1339,8 @@ void fma_value_chunks(const float* p, int64_t p_stride, const uint16_t* v, int64
   if (n % 2) add_pair(n / 2, false);
   for (int h = 0; h < NH; ++h) {
     for (int c = 0; c < NC; ++c) {
-      const Vec sum = kFmaSets == 2 ? vadd(sums[0][h][c], sums[1][h][c]) : sums[0][h][c];
-      vstore(acc + h * kTiledDim + (c0 + c) * kLanes, sum);
+      vstore(acc + h * kTiledDim + (c0 + c) * kLanes,
+             sum_sets(sums[0][h][c], sums[kFmaSets - 1][h][c]));
     }
   }
 }
