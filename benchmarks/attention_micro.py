@@ -10,12 +10,16 @@ engine allocates them). hot: 8 rows of ``--hot-length`` tokens (1,000: ~6 MB in 
         [--path amx|avx512_bf16|avx512|avx2|reference] [--huge-pages] [--hot-length 1000]
     python benchmarks/attention_micro.py --huge-pages-ab [--length 640]
     python benchmarks/attention_micro.py --layout-ab [--length 640]
+    python benchmarks/attention_micro.py --read-share [--rounds 4]
 
 --huge-pages-ab times 30 layers over 64 bf16 tiled rows of one length with the caches on huge
 pages (alignedserve.huge_pages, as the engine allocates them) and on torch's 4 KiB pages,
 alternating in one process so that the machine's drift hits both alike. --layout-ab times the
 path's tiled and token-major bf16 kernels the same way, over the same huge-page caches (the
-bytes are the same; only how the kernel reads them differs).
+bytes are the same; only how the kernel reads them differs). --read-share measures the cold
+bf16 tiled calls (huge pages) and ``roofline.py``'s plain read rate in turns, in one process,
+and prints each round's share: the issue's "decode attention reads KV at >= 80% of the read
+rate", with both sides measured in the same minute.
 """
 
 from __future__ import annotations
@@ -84,6 +88,9 @@ def main() -> None:
     parser.add_argument("--layout-ab", action="store_true",
                         help="tiled vs token-major bf16 kernel, alternating (huge pages)")
     parser.add_argument("--length", type=int, default=640, help="tokens per row (A/B only)")
+    parser.add_argument("--read-share", action="store_true",
+                        help="cold bf16 tiled calls against the plain read rate, in turns")
+    parser.add_argument("--rounds", type=int, default=4, help="rounds of --read-share")
     parser.add_argument("--huge-pages", action="store_true",
                         help="cold caches on huge pages (alignedserve.huge_pages)")
     parser.add_argument("--hot-length", type=int, default=1000, help="tokens per hot row")
@@ -99,6 +106,9 @@ def main() -> None:
         return
     rng = random.Random(0)
     varied = [int(math.exp(rng.uniform(math.log(64), math.log(3072)))) + 128 for _ in range(64)]
+    if args.read_share:
+        read_share(kernels, varied, args.rounds)
+        return
     if args.huge_pages:
         require_huge_pages()
     for name in args.dtypes:
@@ -140,6 +150,21 @@ def huge_pages_ab(kernels, length: int, rounds: int = 20) -> None:
     for name, seconds in times.items():
         print(f"{name}: {sum(seconds) / rounds * 1e3:.1f} ms per 30 layers x 64 rows of "
               f"{length} tokens")
+
+
+def read_share(kernels, lengths: list[int], rounds: int) -> None:
+    """Cold tiled bf16 calls (30 layers over ``lengths``, huge pages) and the plain read rate
+    in turns: the kernel's GB/s as a share of the read measured just before it."""
+    from roofline import read_bandwidth  # a sibling script: benchmarks/ is on sys.path
+
+    require_huge_pages()
+    caches = make_caches(torch.bfloat16, lengths, LAYERS, HugePageArena())
+    nbytes = sum(lengths) * KV_HEADS * LAYERS * 2 * DIM * 2
+    for r in range(rounds):
+        read = read_bandwidth()
+        rate = nbytes / run(kernels, torch.bfloat16, lengths, LAYERS, 5, True, caches)
+        print(f"round {r}: read {read / 1e9:.1f} GB/s, decode attention {rate / 1e9:.1f} GB/s, "
+              f"share {rate / read:.3f}")
 
 
 def layout_ab(kernels, length: int, rounds: int = 20) -> None:

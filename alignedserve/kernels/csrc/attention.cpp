@@ -1345,9 +1345,16 @@ void fma_value_chunks(const float* p, int64_t p_stride, const uint16_t* v, int64
   }
 }
 
+// Accumulators (sets x heads x 16-dim chunks) a value pass keeps in registers beside its two
+// widened halves and a broadcast.
+constexpr int kValueAccumulators = kVecRegisters - 3;
+
 // Pass 3: acc[h][d] = sum_t p[h][t] v[t][d]. Heads go in chunks of up to kFmaHeads, each chunk
-// in as many passes over the span as its accumulators need (with three heads on AVX2: four
-// passes of 16 dims, each reading a quarter of every pair, so no byte is read twice).
+// in as many passes over the span as its accumulators need: with three heads one pass on
+// AVX-512 (2 sets x 3 heads x 4 chunks = 24 accumulators: the same sums in the same order as
+// two passes of 32 dims, but each pair's four lines read together, which the cold stream
+// prefers to two passes over half of every pair's lines), four on AVX2 (16 dims each, a
+// quarter of every pair, so no byte is read twice).
 void fma_values(const float* p, int64_t padded, const uint16_t* v, int64_t n, int64_t group,
                 float* acc, Prefetcher& pf) {
   constexpr int kChunks = kTiledDim / kLanes;
@@ -1355,7 +1362,7 @@ void fma_values(const float* p, int64_t padded, const uint16_t* v, int64_t n, in
     const int nh = static_cast<int>(std::min<int64_t>(kFmaHeads, group - h0));
     with_head_count<kFmaHeads>(nh, [&](auto heads) {
       constexpr int NH = decltype(heads)::value;
-      constexpr int per_head = kFmaHeads / NH;
+      constexpr int per_head = kValueAccumulators / (kFmaSets * NH);
       constexpr int NC = per_head >= kChunks ? kChunks : per_head >= 2 ? 2 : 1;
       for (int c0 = 0; c0 < kChunks; c0 += NC) {
         fma_value_chunks<NH, NC>(p + h0 * padded, padded, v, n, c0, acc + h0 * kTiledDim,
