@@ -524,6 +524,14 @@ struct Prefetcher {
   inline void step() {
     for (int i = 0; i < count; ++i) ranges[i].step();
   }
+  // Cuts every step's slice into `parts` (at least a line each), for a caller that steps
+  // `parts` times as often.
+  void subdivide(int parts) {
+    for (int i = 0; i < count; ++i) {
+      const int64_t lines = ranges[i].per_step / kLine;
+      ranges[i].per_step = std::max<int64_t>(1, (lines + parts - 1) / parts) * kLine;
+    }
+  }
 };
 
 // ----------------------------------------------------------------------------------------------
@@ -1260,6 +1268,14 @@ constexpr int kFmaHeads = std::min(8, kVecRegisters - 3);
 // two chains per head, and a second set would not fit its sixteen registers.
 constexpr int kFmaSets = kVecRegisters >= 32 ? 2 : 1;
 
+// Prefetch requests per K block (score pass) and per P.V round of kPairBlock tokens (value
+// pass) on AVX-512 builds. Asked for at once, a block's share of the item's V (32 lines) or a
+// round's share of the next item's K (64 lines) filled the line-fill buffers and the products
+// stalled behind them; in four slices through the block or round the requests overlap the
+// arithmetic (docs/results/2026-12-04-avx512-decode-values-one-pass.md). AVX2 builds keep one
+// request a block or round, as they were measured.
+constexpr int kPrefetchSlices = kVecRegisters >= 32 ? 4 : 1;
+
 // A head's finished sum from its first and last accumulator set (the same one with one set).
 inline Vec sum_sets(Vec first, Vec last) { return kFmaSets == 2 ? vadd(first, last) : first; }
 
@@ -1267,14 +1283,17 @@ inline Vec sum_sets(Vec first, Vec last) { return kFmaSets == 2 ? vadd(first, la
 // of q[h][2j] K[t][2j] + q[h][2j+1] K[t][2j+1]. Row j of the block widens into dim 2j of the
 // 16 tokens and dim 2j+1 (vload_pairs), each multiplied by one broadcast q value: a head's 16
 // scores with no horizontal sums. q: NH rows of 64, pre-scaled (log2 domain). With two sets,
-// the even dims' and the odd dims' sums are added at the end.
+// the even dims' and the odd dims' sums are added at the end. `pf` (or null) is stepped
+// kPrefetchSlices times through the block.
 template <int NH>
-inline void fma_score_block(const float* q, const uint16_t* kb, float* scores, int64_t padded) {
+inline void fma_score_block(const float* q, const uint16_t* kb, float* scores, int64_t padded,
+                            Prefetcher* pf) {
   Vec acc[kFmaSets][NH];
   for (auto& set : acc) {
     for (Vec& a : set) a = vzero();
   }
   for (int j = 0; j < kTiledDim / 2; ++j) {
+    if (pf != nullptr && j % (kTiledDim / 2 / kPrefetchSlices) == 0) pf->step();
     Vec even, odd;
     vload_pairs(kb + j * 2 * kKeyBlock, even, odd);
     for (int h = 0; h < NH; ++h) {
@@ -1297,9 +1316,9 @@ void fma_scores(const float* q, const uint16_t* k, int64_t padded, int64_t group
     const int nh = static_cast<int>(std::min<int64_t>(kFmaHeads, group - h0));
     with_head_count<kFmaHeads>(nh, [&](auto heads) {
       for (int64_t t = 0; t < padded; t += kKeyBlock) {
-        if (h0 == 0) pf.step();
         fma_score_block<decltype(heads)::value>(q + h0 * kTiledDim, k + t * kTiledDim,
-                                                scores + h0 * padded + t, padded);
+                                                scores + h0 * padded + t, padded,
+                                                h0 == 0 ? &pf : nullptr);
       }
     });
   }
@@ -1333,7 +1352,7 @@ void fma_value_chunks(const float* p, int64_t p_stride, const uint16_t* v, int64
     }
   };
   for (int64_t i = 0; i < n / 2; ++i) {
-    if (pf != nullptr && i % (kPairBlock / 2) == 0) pf->step();
+    if (pf != nullptr && i % (kPairBlock / 2 / kPrefetchSlices) == 0) pf->step();
     add_pair(i, true);
   }
   if (n % 2) add_pair(n / 2, false);
@@ -1382,6 +1401,8 @@ void run_item_tiled_fma(const Problem& P, const Item& it, Scratch& s, Prefetcher
   const auto [k, v] = item_rows<uint16_t>(P, it);  // spans start at whole K blocks (kSpan)
   const uint16_t* qb = P.q_bf16 + it.row * P.q_row + it.kv_head * group * kTiledDim;
   for (int64_t i = 0; i < group * kTiledDim; ++i) s.q[i] = from_bf16(qb[i]) * P.qscale;
+  scores_pf.subdivide(kPrefetchSlices);
+  values_pf.subdivide(kPrefetchSlices);
   fma_scores(s.q.data(), k, padded, group, s.scores.data(), scores_pf);
   softmax_rows(s, group, n, padded);
   fma_values(s.scores.data(), padded, v, n, group, s.acc.data(), values_pf);
