@@ -59,6 +59,11 @@ def make_caches(dtype: torch.dtype, lengths: list[int], layers: int,
     return caches
 
 
+def kv_bytes(lengths: list[int], dtype: torch.dtype) -> int:
+    """Bytes of K and V that one pass over ``LAYERS`` layers of rows of ``lengths`` reads."""
+    return sum(lengths) * KV_HEADS * LAYERS * 2 * DIM * dtype.itemsize
+
+
 def run(kernels, dtype: torch.dtype, lengths: list[int], layers: int, calls: int,
         tiled: bool = False, caches: list[torch.Tensor] | None = None) -> float:
     """Seconds per pass over ``layers`` layers of all rows."""
@@ -119,7 +124,7 @@ def main() -> None:
         del caches
         hot_rows = [args.hot_length] * 8
         hot = run(kernels, dtype, hot_rows, 1, calls=300, tiled=args.tiled)
-        nbytes = pairs * 2 * DIM * dtype.itemsize
+        nbytes = kv_bytes(varied, dtype)
         print(f"{name}: cold {cold * 1e3:.1f} ms per 30 layers x 64 rows ({sum(varied)} tokens), "
               f"{nbytes / cold / 1e9:.1f} GB/s, {pairs / cold / 1e6:.0f} M (token, kv head)/s; "
               f"hot {sum(hot_rows) * KV_HEADS / hot / 1e6:.0f} M (token, kv head)/s")
@@ -159,7 +164,7 @@ def read_share(kernels, lengths: list[int], rounds: int) -> None:
 
     require_huge_pages()
     caches = make_caches(torch.bfloat16, lengths, LAYERS, HugePageArena())
-    nbytes = sum(lengths) * KV_HEADS * LAYERS * 2 * DIM * 2
+    nbytes = kv_bytes(lengths, torch.bfloat16)
     for r in range(rounds):
         read = read_bandwidth()
         rate = nbytes / run(kernels, torch.bfloat16, lengths, LAYERS, 5, True, caches)
@@ -174,7 +179,7 @@ def layout_ab(kernels, length: int, rounds: int = 20) -> None:
     times = alternate({name: functools.partial(run, kernels, torch.bfloat16, lengths, LAYERS, 1,
                                                tiled, caches)
                        for name, tiled in (("tiled", True), ("token-major", False))}, rounds)
-    nbytes = LAYERS * len(lengths) * length * KV_HEADS * 2 * DIM * 2
+    nbytes = kv_bytes(lengths, torch.bfloat16)
     for name, seconds in times.items():
         median = sorted(seconds)[rounds // 2]
         print(f"{name}: median {median * 1e3:.1f} ms per 30 layers x 64 rows of {length} "

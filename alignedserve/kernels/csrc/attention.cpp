@@ -524,14 +524,6 @@ struct Prefetcher {
   inline void step() {
     for (int i = 0; i < count; ++i) ranges[i].step();
   }
-  // Cuts every step's slice into `parts` (at least a line each), for a caller that steps
-  // `parts` times as often.
-  void subdivide(int parts) {
-    for (int i = 0; i < count; ++i) {
-      const int64_t lines = ranges[i].per_step / kLine;
-      ranges[i].per_step = std::max<int64_t>(1, (lines + parts - 1) / parts) * kLine;
-    }
-  }
 };
 
 // ----------------------------------------------------------------------------------------------
@@ -855,12 +847,14 @@ inline Plan plan_items(const int64_t* pos, int64_t rows, int64_t kv_heads, int64
 }
 
 // What to prefetch during item `cur`'s score blocks (see "Software prefetch"); `next` is the
-// thread's next item or null. Items are sorted longest first, so `next` is never longer and
-// every block asks for at most a few lines per range.
+// thread's next item or null; `slices` requests a block (the caller steps that often). Items
+// are sorted longest first, so `next` is never longer and every block asks for at most a few
+// lines per range.
 template <typename E>
-Prefetcher prefetch_for(const Problem& P, const Item& cur, const Item* next) {
+Prefetcher prefetch_for(const Problem& P, const Item& cur, const Item* next,
+                        int64_t slices = 1) {
   const int64_t row_bytes = P.dim * static_cast<int64_t>(sizeof(E));
-  const int64_t blocks = (cur.end - cur.begin + kLanes - 1) / kLanes;
+  const int64_t blocks = (cur.end - cur.begin + kLanes - 1) / kLanes * slices;
   Prefetcher pf;
   if (next != nullptr) {
     const auto [k, v] = item_rows<E>(P, *next);
@@ -924,21 +918,21 @@ constexpr int64_t kPairBlock = 32;  // tokens per P.V round (a tile's pair depth
 // run_items), and hands `run(item, scores_pf, values_pf)` two prefetchers, each measured faster
 // on huge-page caches (alternating runs, docs/results/): the item's own V during its score
 // blocks (as for token-major bf16), the next item's whole K during its value rounds of
-// kPairBlock tokens. (On 4 KiB pages, asking for the next K, or for the next round's lines
-// into L1, had measured no gain.)
+// kPairBlock tokens; each paced in `slices` requests per score block or value round. (On 4 KiB
+// pages, asking for the next K, or for the next round's lines into L1, had measured no gain.)
 template <typename RunItem>
 void pull_tiled_items(const Problem& P, const Plan& plan, std::atomic<int64_t>& next,
-                      RunItem&& run) {
+                      int64_t slices, RunItem&& run) {
   const auto n_items = static_cast<int64_t>(plan.items.size());
   for (int64_t i = next.fetch_add(1); i < n_items;) {
     const Item& it = plan.items[i];
     const int64_t following = next.fetch_add(1);
-    Prefetcher scores_pf = prefetch_for<uint16_t>(P, it, nullptr);
+    Prefetcher scores_pf = prefetch_for<uint16_t>(P, it, nullptr, slices);
     Prefetcher values_pf;
     if (following < n_items) {  // never longer than `it`: items are sorted longest first
       const Item& nx = plan.items[following];
       values_pf.add(item_rows<uint16_t>(P, nx).first, (nx.end - nx.begin) * kTiledDim * 2,
-                    (it.end - it.begin + kPairBlock - 1) / kPairBlock);
+                    (it.end - it.begin + kPairBlock - 1) / kPairBlock * slices);
     }
     run(it, scores_pf, values_pf);
     i = following;
@@ -1246,8 +1240,8 @@ void run_items_tiled(const Problem& P, const Plan& plan) {
     if constexpr (kAmx) configure_tiled_tiles(P.group);
 #endif
     TiledScratch scratch(P.group, plan.max_span);
-    pull_tiled_items(P, plan, next, [&](const Item& it, Prefetcher& scores_pf,
-                                        Prefetcher& values_pf) {
+    pull_tiled_items(P, plan, next, 1, [&](const Item& it, Prefetcher& scores_pf,
+                                           Prefetcher& values_pf) {
       run_item_tiled<kAmx>(P, it, scratch, scores_pf, values_pf);
     });
 #ifdef ALIGNEDSERVE_AMX
@@ -1272,9 +1266,13 @@ constexpr int kFmaSets = kVecRegisters >= 32 ? 2 : 1;
 // pass) on AVX-512 builds. Asked for at once, a block's share of the item's V (32 lines) or a
 // round's share of the next item's K (64 lines) filled the line-fill buffers and the products
 // stalled behind them; in four slices through the block or round the requests overlap the
-// arithmetic (docs/results/2026-12-04-avx512-decode-values-one-pass.md). AVX2 builds keep one
+// arithmetic (docs/results/2026-12-04-avx512-decode-values-one-pass.md). Other builds keep one
 // request a block or round, as they were measured.
-constexpr int kPrefetchSlices = kVecRegisters >= 32 ? 4 : 1;
+#if defined(__AVX512F__)
+constexpr int kPrefetchSlices = 4;
+#else
+constexpr int kPrefetchSlices = 1;
+#endif
 
 // A head's finished sum from its first and last accumulator set (the same one with one set).
 inline Vec sum_sets(Vec first, Vec last) { return kFmaSets == 2 ? vadd(first, last) : first; }
@@ -1401,8 +1399,6 @@ void run_item_tiled_fma(const Problem& P, const Item& it, Scratch& s, Prefetcher
   const auto [k, v] = item_rows<uint16_t>(P, it);  // spans start at whole K blocks (kSpan)
   const uint16_t* qb = P.q_bf16 + it.row * P.q_row + it.kv_head * group * kTiledDim;
   for (int64_t i = 0; i < group * kTiledDim; ++i) s.q[i] = from_bf16(qb[i]) * P.qscale;
-  scores_pf.subdivide(kPrefetchSlices);
-  values_pf.subdivide(kPrefetchSlices);
   fma_scores(s.q.data(), k, padded, group, s.scores.data(), scores_pf);
   softmax_rows(s, group, n, padded);
   fma_values(s.scores.data(), padded, v, n, group, s.acc.data(), values_pf);
@@ -1413,8 +1409,8 @@ void run_items_tiled_fma(const Problem& P, const Plan& plan) {
   std::atomic<int64_t> next{0};
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     Scratch scratch(P.group, kTiledDim, plan.max_span);
-    pull_tiled_items(P, plan, next, [&](const Item& it, Prefetcher& scores_pf,
-                                        Prefetcher& values_pf) {
+    pull_tiled_items(P, plan, next, kPrefetchSlices, [&](const Item& it, Prefetcher& scores_pf,
+                                                         Prefetcher& values_pf) {
       run_item_tiled_fma(P, it, scratch, scores_pf, values_pf);
     });
   });
