@@ -939,6 +939,20 @@ void pull_tiled_items(const Problem& P, const Plan& plan, std::atomic<int64_t>& 
   }
 }
 
+// Prefetch requests per K block (score pass) and per P.V round of kPairBlock tokens (value
+// pass) in the dot-product and FMA kernels of AVX-512 builds. Asked for at once, a block's
+// share of the item's V (32 lines) or a round's share of the next item's K (64 lines) filled
+// the line-fill buffers and the products stalled behind them; in four slices through the
+// block or round the requests overlap the arithmetic (FMA kernel on the avx512 path:
+// docs/results/2026-12-04-avx512-decode-values-one-pass.md; dot-product kernel on Zen 4:
+// docs/results/2026-12-04-zen4-dp-prefetch-slices.md). AVX2 builds and the AMX kernel keep
+// one request a block or round, as they were measured.
+#if defined(__AVX512F__)
+constexpr int kPrefetchSlices = 4;
+#else
+constexpr int kPrefetchSlices = 1;
+#endif
+
 #if defined(__AVX512BF16__)
 
 // Per-thread buffers, 64-byte aligned, sized for the longest span.
@@ -1105,14 +1119,16 @@ inline __m512bh as_pairs(__m512i x) { return reinterpret_cast<__m512bh>(x); }
 
 // Scores of NB consecutive 16-token K blocks for NH heads: lane t of a head's vector is
 // sum over dim pairs j of q[h][pair j] . K[t][pair j]. `q` holds each head's 32 pairs as words.
+// `pf` (or null) is stepped kPrefetchSlices times per block, spread through the blocks.
 template <int NH, int NB>
 inline void dp_score_blocks(const uint32_t* q, const uint16_t* kb, float* scores,
-                            int64_t padded) {
+                            int64_t padded, Prefetcher* pf) {
   __m512 acc[NB][NH];
   for (auto& block : acc) {
     for (__m512& a : block) a = _mm512_setzero_ps();
   }
   for (int j = 0; j < kTiledDim / 2; ++j) {
+    if (pf != nullptr && j % (kTiledDim / 2 / (NB * kPrefetchSlices)) == 0) pf->step();
     for (int b = 0; b < NB; ++b) {
       // Row j of block b: the block's 16 tokens' values of dim pair j (32 bf16).
       const __m512bh keys =
@@ -1143,15 +1159,14 @@ void dp_scores(const uint16_t* q, const uint16_t* k, int64_t n, int64_t padded, 
       float* out = s.scores + h0 * padded;
       int64_t b = 0;
       // A partial last block is read in place, as on the AMX path (see tiled_scores).
+      Prefetcher* step = h0 == 0 ? &pf : nullptr;  // the first chunk paces the requests
       for (; b + 1 < blocks; b += 2) {
-        if (h0 == 0) {
-          pf.step();
-          pf.step();
-        }
-        dp_score_blocks<NH, 2>(qh, k + b * kKeyBlock * kTiledDim, out + b * kKeyBlock, padded);
+        dp_score_blocks<NH, 2>(qh, k + b * kKeyBlock * kTiledDim, out + b * kKeyBlock, padded,
+                               step);
       }
       if (b < blocks) {
-        dp_score_blocks<NH, 1>(qh, k + b * kKeyBlock * kTiledDim, out + b * kKeyBlock, padded);
+        dp_score_blocks<NH, 1>(qh, k + b * kKeyBlock * kTiledDim, out + b * kKeyBlock, padded,
+                               step);
       }
     });
   }
@@ -1173,7 +1188,8 @@ inline void dp_value_pair(const uint32_t* p, int64_t p_stride, const uint16_t* v
 }
 
 // Pass 3 with dot products: s.acc[h][d] = sum_t p[h][t] v[t][d] over the span's (n + 1) / 2
-// token pairs. Heads go in chunks of up to 6 (24 accumulators in registers).
+// token pairs. Heads go in chunks of up to 6 (24 accumulators in registers). The first chunk
+// steps `pf` kPrefetchSlices times per round of kPairBlock tokens.
 void dp_values(const uint16_t* v, int64_t n, int64_t padded, int64_t group, TiledScratch& s,
                Prefetcher& pf) {
   const auto* probs = reinterpret_cast<const uint32_t*>(s.probs);  // pairs of bf16
@@ -1189,7 +1205,7 @@ void dp_values(const uint16_t* v, int64_t n, int64_t padded, int64_t group, Tile
         for (__m512& a : head) a = _mm512_setzero_ps();
       }
       for (int64_t i = 0; i < pairs; ++i) {
-        if (h0 == 0 && i % (kPairBlock / 2) == 0) pf.step();
+        if (h0 == 0 && i % (kPairBlock / 2 / kPrefetchSlices) == 0) pf.step();
         dp_value_pair<NH>(p + i, p_stride, v + i * 2 * kTiledDim, ~__mmask32{0}, acc);
       }
       if (n % 2) {  // the last token alone: keep the even (first-token) halves of its pair
@@ -1240,8 +1256,8 @@ void run_items_tiled(const Problem& P, const Plan& plan) {
     if constexpr (kAmx) configure_tiled_tiles(P.group);
 #endif
     TiledScratch scratch(P.group, plan.max_span);
-    pull_tiled_items(P, plan, next, 1, [&](const Item& it, Prefetcher& scores_pf,
-                                           Prefetcher& values_pf) {
+    pull_tiled_items(P, plan, next, kAmx ? 1 : kPrefetchSlices,
+                     [&](const Item& it, Prefetcher& scores_pf, Prefetcher& values_pf) {
       run_item_tiled<kAmx>(P, it, scratch, scores_pf, values_pf);
     });
 #ifdef ALIGNEDSERVE_AMX
@@ -1261,18 +1277,6 @@ constexpr int kFmaHeads = std::min(8, kVecRegisters - 3);
 // one chain per head left them idle half the time). AVX2's two-register vectors already give
 // two chains per head, and a second set would not fit its sixteen registers.
 constexpr int kFmaSets = kVecRegisters >= 32 ? 2 : 1;
-
-// Prefetch requests per K block (score pass) and per P.V round of kPairBlock tokens (value
-// pass) on AVX-512 builds. Asked for at once, a block's share of the item's V (32 lines) or a
-// round's share of the next item's K (64 lines) filled the line-fill buffers and the products
-// stalled behind them; in four slices through the block or round the requests overlap the
-// arithmetic (docs/results/2026-12-04-avx512-decode-values-one-pass.md). Other builds keep one
-// request a block or round, as they were measured.
-#if defined(__AVX512F__)
-constexpr int kPrefetchSlices = 4;
-#else
-constexpr int kPrefetchSlices = 1;
-#endif
 
 // A head's finished sum from its first and last accumulator set (the same one with one set).
 inline Vec sum_sets(Vec first, Vec last) { return kFmaSets == 2 ? vadd(first, last) : first; }
