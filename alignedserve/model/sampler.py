@@ -217,11 +217,13 @@ def _take(x: torch.Tensor, idx: list[int]) -> torch.Tensor:
 # Penalties and bans (in place on a private contiguous copy)
 
 
-def _flat_positions(vocab: int, row_ids: list[int], seqs: list[Sequence[int]]) -> torch.Tensor:
-    """``row * vocab + token`` for every token of every selected row: indexes ``x.view(-1)``."""
+def _flat_positions(vocab: int, row_ids: list[int], seqs: list[Sequence[int]],
+                    device: torch.device) -> torch.Tensor:
+    """``row * vocab + token`` for every token of every selected row: indexes ``x.view(-1)``
+    (built on the CPU, returned on ``device``, x's)."""
     lengths = torch.tensor([len(s) for s in seqs])
     tokens = torch.tensor(list(itertools.chain.from_iterable(seqs)), dtype=torch.long)
-    return torch.repeat_interleave(torch.tensor(row_ids), lengths) * vocab + tokens
+    return (torch.repeat_interleave(torch.tensor(row_ids), lengths) * vocab + tokens).to(device)
 
 
 def _apply_repetition_penalty(x: torch.Tensor, rows: list[SamplingRow]) -> None:
@@ -231,9 +233,10 @@ def _apply_repetition_penalty(x: torch.Tensor, rows: list[SamplingRow]) -> None:
     seqs = [list(itertools.chain(rows[i].prompt_token_ids, rows[i].output_token_ids)) for i in sel]
     if not any(seqs):
         return
-    pos = _flat_positions(x.shape[1], sel, seqs)
+    pos = _flat_positions(x.shape[1], sel, seqs, x.device)
     penalty = torch.tensor([rows[i].params.repetition_penalty for i in sel], dtype=x.dtype)
     penalty = torch.repeat_interleave(penalty, torch.tensor([len(s) for s in seqs]))
+    penalty = penalty.to(x.device)
     flat = x.view(-1)
     old = flat[pos]
     # Duplicate positions all write the same value (computed from the untouched logit).
@@ -247,10 +250,12 @@ def _apply_presence_frequency(x: torch.Tensor, rows: list[SamplingRow]) -> None:
     if not sel:
         return
     vocab = x.shape[1]
-    pos = _flat_positions(vocab, sel, [rows[i].output_token_ids for i in sel])
+    pos = _flat_positions(vocab, sel, [rows[i].output_token_ids for i in sel], x.device)
     uniq, counts = torch.unique(pos, return_counts=True)
-    freq = torch.tensor([r.params.frequency_penalty for r in rows], dtype=x.dtype)
-    pres = torch.tensor([r.params.presence_penalty for r in rows], dtype=x.dtype)
+    freq = torch.tensor([r.params.frequency_penalty for r in rows], dtype=x.dtype,
+                        device=x.device)
+    pres = torch.tensor([r.params.presence_penalty for r in rows], dtype=x.dtype,
+                        device=x.device)
     row_of = uniq // vocab
     flat = x.view(-1)
     flat[uniq] -= freq[row_of] * counts.to(x.dtype) + pres[row_of]
