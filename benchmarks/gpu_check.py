@@ -810,33 +810,41 @@ def sampling_case(llm: LLM, prompts: list[list[int]], case: dict[str, Any]) -> d
     return result
 
 
-def guarded_case(llm: LLM, prompts: list[list[int]], case: dict[str, Any]) -> dict[str, Any]:
-    """``sampling_case``, an exception failing this case only."""
+def contained(run: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """``run()``, an exception failing this part of a check only (reported with its last
+    lines), so that the check's other parts still report."""
     try:
-        return sampling_case(llm, prompts, case)
+        return run()
     except Exception as exc:  # noqa: BLE001 - reported, not hidden
         return {"ok": False, "error": f"{type(exc).__name__}: {exc}",
                 "traceback": traceback.format_exc().splitlines()[-8:]}
 
 
+def penalties_change_greedy(llm: LLM, prompts: list[list[int]],
+                            case: dict[str, Any]) -> dict[str, Any]:
+    """Reported: whether greedy with penalties gives other tokens than plain greedy."""
+    plain = engine_greedy(llm, prompts, SAMPLING_TOKENS)
+    penalized = [p[0] for p in completions(run_case(llm, prompts, SEEDS[0], case))]
+    return {"ok": True, "changed": plain != penalized}
+
+
 def check_sampling(path: Path, device: str, cases: dict[str, dict[str, Any]],
                    args: argparse.Namespace) -> dict[str, Any]:
     """Every case of ``cases`` on one fp32 engine (seeded requests; the engine's own seed is
-    fixed too)."""
+    fixed too), each contained."""
     prompts = make_prompts(SAMPLING_PROMPT_LENGTHS, args.seed + 3)
     llm = make_llm(path, device, "float32", "aligned", args)
     try:
-        result: dict[str, Any] = {name: guarded_case(llm, prompts, case)
+        result: dict[str, Any] = {name: contained(lambda: sampling_case(llm, prompts, case))
                                   for name, case in cases.items()}
         if "greedy_penalties" in cases:
-            plain = engine_greedy(llm, prompts, SAMPLING_TOKENS)
-            result["greedy_penalties_change_output"] = plain != [
-                p[0] for p in completions(run_case(llm, prompts, SEEDS[0],
-                                                   cases["greedy_penalties"]))]
+            result["greedy_penalties_change_output"] = contained(
+                lambda: penalties_change_greedy(llm, prompts, cases["greedy_penalties"]))
         result["leaks"] = leaks(llm)
     finally:
         llm.engine.close()
-    result["ok"] = all(r["ok"] for n, r in result.items() if n in cases) and not result["leaks"]
+    parts = [r for r in result.values() if isinstance(r, dict) and "ok" in r]
+    result["ok"] = all(r["ok"] for r in parts) and not result["leaks"]
     return result
 
 
