@@ -952,6 +952,7 @@ constexpr int kPrefetchSlices = 4;
 #else
 constexpr int kPrefetchSlices = 1;
 #endif
+static_assert(kPairBlock / 2 % kPrefetchSlices == 0, "steps must divide a P.V round's pairs");
 
 #if defined(__AVX512BF16__)
 
@@ -1123,6 +1124,7 @@ inline __m512bh as_pairs(__m512i x) { return reinterpret_cast<__m512bh>(x); }
 template <int NH, int NB>
 inline void dp_score_blocks(const uint32_t* q, const uint16_t* kb, float* scores,
                             int64_t padded, Prefetcher* pf) {
+  static_assert(kTiledDim / 2 % (NB * kPrefetchSlices) == 0, "steps must divide the block rows");
   __m512 acc[NB][NH];
   for (auto& block : acc) {
     for (__m512& a : block) a = _mm512_setzero_ps();
