@@ -171,10 +171,12 @@ def load_hf(path: Path, dtype: torch.dtype, device: str) -> torch.nn.Module:
 
 
 @torch.inference_mode()
-def hf_greedy(model: torch.nn.Module, prompts: list[list[int]], new_tokens: int,
-              device: str) -> Reference:
-    """transformers' greedy ``generate``, one prompt at a time (no padding), with the raw
-    logits of every step for the near-tie cut-off."""
+def hf_greedy(path: Path, dtype: torch.dtype, device: str, prompts: list[list[int]],
+              new_tokens: int) -> Reference:
+    """transformers' greedy ``generate`` of the model at ``path`` (loaded here, freed on
+    return), one prompt at a time (no padding), with the raw logits of every step for the
+    near-tie cut-off."""
+    model = load_hf(path, dtype, device)
     ref = Reference([], [])
     for prompt in prompts:
         ids = torch.tensor([prompt], device=device)
@@ -363,9 +365,7 @@ def check_tier_moves(path: Path, device: str, prompts: list[list[int]], ref: Ref
 
 def check_bf16(path: Path, device: str, prompts: list[list[int]],
                args: argparse.Namespace) -> dict[str, Any]:
-    hf = load_hf(path, torch.bfloat16, device)
-    ref = hf_greedy(hf, prompts, args.new_tokens, device)
-    del hf
+    ref = hf_greedy(path, torch.bfloat16, device, prompts, args.new_tokens)
     llm = make_llm(path, device, "bfloat16", "aligned", args)
     try:
         got = engine_greedy(llm, prompts, args.new_tokens)
@@ -529,9 +529,7 @@ def server_expected(path: Path, device: str, prompts: list[list[int]],
                     args: argparse.Namespace, out: list[Expected]) -> dict[str, Any]:
     """transformers' fp32 greedy and the offline engine's (``make_llm``, fp32, aligned) for the
     server's prompts, computed in this process before the server starts."""
-    hf = load_hf(path, torch.float32, device)
-    ref = hf_greedy(hf, prompts, args.new_tokens, device)
-    del hf
+    ref = hf_greedy(path, torch.float32, device, prompts, args.new_tokens)
     llm = make_llm(path, device, "float32", "aligned", args)
     try:
         engine = engine_greedy(llm, prompts, args.new_tokens)
@@ -1020,8 +1018,7 @@ def run_offline_checks(path: Path, device: str,
     refs: list[Reference] = []
 
     def reference() -> dict[str, Any]:
-        hf = load_hf(path, torch.float32, device)
-        refs.append(hf_greedy(hf, prompts, args.new_tokens, device))
+        refs.append(hf_greedy(path, torch.float32, device, prompts, args.new_tokens))
         return {"ok": True, "near_tie_prompts": sum(c < args.new_tokens
                                                     for c in refs[0].comparable)}
 
