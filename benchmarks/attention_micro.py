@@ -17,9 +17,9 @@ pages (alignedserve.huge_pages, as the engine allocates them) and on torch's 4 K
 alternating in one process so that the machine's drift hits both alike. --layout-ab times the
 path's tiled and token-major bf16 kernels the same way, over the same huge-page caches (the
 bytes are the same; only how the kernel reads them differs). --read-share measures the cold
-bf16 tiled calls (huge pages) and ``roofline.py``'s plain read rate in turns, in one process,
-and prints each round's share: the issue's "decode attention reads KV at >= 80% of the read
-rate", with both sides measured in the same minute.
+bf16 tiled calls (huge pages) and ``roofline.py``'s plain read rates (4 KiB and huge pages)
+in turns, in one process, and prints each round's shares: the issue's "decode attention reads
+KV at >= 80% of the read rate", with both sides measured in the same minute.
 """
 
 from __future__ import annotations
@@ -158,18 +158,20 @@ def huge_pages_ab(kernels, length: int, rounds: int = 20) -> None:
 
 
 def read_share(kernels, lengths: list[int], rounds: int) -> None:
-    """Cold tiled bf16 calls (30 layers over ``lengths``, huge pages) and the plain read rate
-    in turns: the kernel's GB/s as a share of the read measured just before it."""
-    from roofline import read_bandwidth  # a sibling script: benchmarks/ is on sys.path
+    """Cold tiled bf16 calls (30 layers over ``lengths``, huge pages) and the plain read rates
+    in turns: the kernel's GB/s as a share of the reads measured just before it, on 4 KiB
+    pages and on huge pages (the caches' own kind of memory)."""
+    from roofline import read_rates  # a sibling script: benchmarks/ is on sys.path
 
     require_huge_pages()
     caches = make_caches(torch.bfloat16, lengths, LAYERS, HugePageArena())
     nbytes = kv_bytes(lengths, torch.bfloat16)
     for r in range(rounds):
-        read = read_bandwidth()
+        reads = read_rates()
         rate = nbytes / run(kernels, torch.bfloat16, lengths, LAYERS, 5, True, caches)
-        print(f"round {r}: read {read / 1e9:.1f} GB/s, decode attention {rate / 1e9:.1f} GB/s, "
-              f"share {rate / read:.3f}")
+        print(f"round {r}: decode attention {rate / 1e9:.1f} GB/s; " + "; ".join(
+            f"read on {kind} {read / 1e9:.1f} GB/s, share {rate / read:.3f}"
+            for kind, read in reads.items()))
 
 
 def layout_ab(kernels, length: int, rounds: int = 20) -> None:

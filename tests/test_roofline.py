@@ -1,4 +1,5 @@
-"""benchmarks/roofline.py's pricing (`price`, `median_rates`) against hand-computed floors."""
+"""benchmarks/roofline.py's pricing (`price`, `median_rates`) against hand-computed floors, and its
+read-rate measurement."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from alignedserve.kernels import kernels_for_path
 from alignedserve.model.config import ModelConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
@@ -55,3 +57,15 @@ def test_best_rates_takes_each_rates_fastest_value():
     assert roofline.price(CONFIG, b, "synthetic:fixed:in=100,out=3", 2, 0).floor <= min(
         roofline.price(CONFIG, r, "synthetic:fixed:in=100,out=3", 2, 0).floor
         for r in (slow, fast))
+
+
+def test_read_rates_cover_both_kinds_of_memory_and_the_price_takes_the_faster(monkeypatch):
+    from alignedserve.huge_pages import huge_pages_supported
+
+    rates = roofline.read_rates(64 << 20)
+    kinds = {"4 KiB pages", "huge pages"} if huge_pages_supported() else {"4 KiB pages"}
+    assert set(rates) == kinds
+    assert all(r > 0 for r in rates.values())
+    monkeypatch.setattr(roofline, "read_rates", lambda: {"4 KiB pages": 1e9, "huge pages": 3e9})
+    rates = roofline.measure(CONFIG, kernels_for_path("reference"), decode_rows=2)
+    assert (rates.read_bandwidth, rates.read_4k) == (3e9, 1e9)  # priced at the faster read
