@@ -68,12 +68,12 @@ def read_rates(nbytes: int = 2**30) -> dict[str, float]:
     and, where Linux grants them, on transparent huge pages (how the engine holds its KV
     caches: alignedserve.huge_pages). On a VM the huge-page read can be 10-20% faster (no page
     walks that miss the caches), so a ceiling for KV held there must be priced at it."""
-    plain = torch.ones(nbytes // 4)
-    rates = {"4 KiB pages": nbytes / best_time(plain.sum)}
-    del plain
+    def rate(x: torch.Tensor) -> float:
+        return nbytes / best_time(x.fill_(1.0).sum)
+
+    rates = {"4 KiB pages": rate(torch.empty(nbytes // 4))}
     if huge_pages_supported():
-        huge = _huge_arena().empty((nbytes // 4,), torch.float32).fill_(1.0)
-        rates["huge pages"] = nbytes / best_time(huge.sum)
+        rates["huge pages"] = rate(_huge_arena().empty((nbytes // 4,), torch.float32))
     return rates
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from alignedserve.huge_pages import huge_pages_supported
 from alignedserve.kernels import kernels_for_path
 from alignedserve.model.config import ModelConfig
 
@@ -60,8 +61,6 @@ def test_best_rates_takes_each_rates_fastest_value():
 
 
 def test_read_rates_cover_both_kinds_of_memory_and_the_price_takes_the_faster(monkeypatch):
-    from alignedserve.huge_pages import huge_pages_supported
-
     rates = roofline.read_rates(64 << 20)
     kinds = {"4 KiB pages", "huge pages"} if huge_pages_supported() else {"4 KiB pages"}
     assert set(rates) == kinds
