@@ -1147,7 +1147,10 @@ inline void dp_score_blocks(const uint32_t* q, const uint16_t* kb, float* scores
 }
 
 // Pass 1 with dot products: raw scores as tiled_scores writes them. Heads go in chunks of up
-// to 8 (two blocks' accumulators in registers); the K of later chunks comes from L1/L2.
+// to 8; the K of later chunks comes from L1/L2. Up to four heads take four blocks at a time,
+// more take two: each (block, head) product is its own dependency chain, and with a GQA group
+// of 3 two blocks gave only six, too few to cover the product's latency (four blocks measured
+// faster on Zen 4 with the same bits: docs/results/2026-12-04-zen4-score-chains.md).
 void dp_scores(const uint16_t* q, const uint16_t* k, int64_t n, int64_t padded, int64_t group,
                TiledScratch& s, Prefetcher& pf) {
   const auto* qw = reinterpret_cast<const uint32_t*>(q);
@@ -1162,6 +1165,11 @@ void dp_scores(const uint16_t* q, const uint16_t* k, int64_t n, int64_t padded, 
       int64_t b = 0;
       // A partial last block is read in place, as on the AMX path (see tiled_scores).
       Prefetcher* step = h0 == 0 ? &pf : nullptr;  // the first chunk paces the requests
+      constexpr int NB = NH <= 4 ? 4 : 2;  // at most 16 accumulators and NB rows live
+      for (; b + NB - 1 < blocks; b += NB) {
+        dp_score_blocks<NH, NB>(qh, k + b * kKeyBlock * kTiledDim, out + b * kKeyBlock, padded,
+                                step);
+      }
       for (; b + 1 < blocks; b += 2) {
         dp_score_blocks<NH, 2>(qh, k + b * kKeyBlock * kTiledDim, out + b * kKeyBlock, padded,
                                step);
