@@ -41,6 +41,29 @@ def test_pack_linears_keeps_the_model_output(compiled: Kernels) -> None:
                                    rtol=0.05, atol=0.05)
 
 
+def test_pack_linears_holds_each_weight_once(compiled: Kernels) -> None:
+    """Where the path's own kernel takes every batch size, the packing is the only copy of a
+    layer's weight; the model's output and N-d or strided inputs still work."""
+    model = ours_from_hf(tiny_hf_model(tie_word_embeddings=True)).bfloat16()
+    plain = copy.deepcopy(model)
+    pack_linears(model, compiled)
+    layers = {name: m for name, m in model.named_modules()
+              if isinstance(m, PackedLinear) and name != "lm_head"}
+    takes_all = compiled.path in ("avx512_bf16", "avx512", "avx2")
+    assert all((m.weight is None) == takes_all for m in layers.values())
+    assert model.lm_head.weight is model.embed_tokens.weight  # shared: never dropped
+    ids = torch.randint(0, 256, (20,), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        torch.testing.assert_close(our_logits(model, ids), our_logits(plain, ids),
+                                   rtol=0.05, atol=0.05)
+    for name, layer in layers.items():
+        weight = plain.get_submodule(name).weight
+        x = torch.randn(2, 3, 2 * weight.shape[1], generator=torch.Generator().manual_seed(1))
+        x = x.bfloat16()[..., ::2]  # 3-d and strided
+        torch.testing.assert_close(layer(x).float(), F.linear(x.float(), weight.float()),
+                                   rtol=1e-2, atol=1e-2)
+
+
 def test_float32_models_are_not_packed(compiled: Kernels) -> None:
     model = ours_from_hf(tiny_hf_model())
     assert pack_linears(model, compiled) == 0

@@ -15,6 +15,10 @@ each batch size on its path (``Kernels.path``):
 * ``reference``, float32 weights, other devices: plain ``F.linear`` (float32 must stay
   bit-identical to transformers).
 
+Where the path's own kernel takes every batch size (``avx512_bf16``, ``avx512``, ``avx2``),
+`pack_linears` then drops each layer's unpacked weight (`PackedLinear.release_weight`): the
+packing is the only copy the model holds, so its linears cost their size once, not twice.
+
 A fused ``[gate | up]`` projection (``swiglu=True``) on the AVX-512 paths is packed with its
 16-row blocks interleaved (gate 0, up 0, gate 1, ...) so that `PackedLinear.silu_mul` can
 ask the kernel for ``silu(gate) * up`` straight from its accumulators: bit-identical to
@@ -43,6 +47,7 @@ AMX_MAX_ROWS = 1024  # AMX tiles win up to here on the layers' shapes
 AMX_MAX_ROWS_LM_HEAD = 128  # ... and up to here on the LM head
 _PACK_HINT_ROWS = 64  # oneDNN picks its blocking for this batch size
 _SWIGLU_BLOCK = 16  # rows per gate / up block of the interleaved packing (the kernel's zmm)
+_EVERY_ROW_COUNT = 1 << 62  # kernel_max_rows of a path whose own kernel takes any batch
 
 
 def interleave_gate_up(t: Tensor) -> Tensor:
@@ -83,7 +88,8 @@ class PackedLinear(nn.Module):
     Invariant: ``tiles`` (the path's own kernel layout: AMX tiles, AVX-512 or AVX2 panels) and
     ``packed`` (oneDNN's) are ``weight`` reordered, each None where no batch size uses it, and
     never go stale: weights are frozen after loading. ``weight`` may be shared with another
-    module (a tied LM head reads the embedding matrix). ``fused_swiglu``: ``tiles`` holds the
+    module (a tied LM head reads the embedding matrix), or None once `release_weight` dropped
+    it (``tiles`` is then the only copy, and every call goes to the path's own kernel). ``fused_swiglu``: ``tiles`` holds the
     interleaved packing (module docstring), and so does ``kernel_bias``, the bias as the
     kernel takes it.
     """
@@ -114,7 +120,7 @@ class PackedLinear(nn.Module):
                     self.kernel_bias = interleave_gate_up(bias.detach())
             else:
                 tiles = pack(weight.detach())
-            self.kernel_max_rows = 1 << 62
+            self.kernel_max_rows = _EVERY_ROW_COUNT
         self.register_buffer("tiles", tiles, persistent=False)
         self.packed_max_rows = (PACKED_MAX_ROWS if self.kernel_max_rows < PACKED_MAX_ROWS
                                 and onednn_packing_supported(weight) else 0)
@@ -136,7 +142,23 @@ class PackedLinear(nn.Module):
             if rows <= self.packed_max_rows:
                 return torch.ops.mkldnn._linear_pointwise(x, self._buffers["packed"], bias,
                                                           "none", [], "")
-        return F.linear(x, self._parameters["weight"], bias)
+        weight = self._parameters["weight"]
+        if weight is None:  # released: the path's own kernel takes every call as dense rows
+            dense = x.reshape(-1, x.shape[-1]).contiguous()
+            return self.forward(dense).view(*x.shape[:-1], -1)
+        return F.linear(x, weight, bias)
+
+    def release_weight(self) -> bool:
+        """Drop this module's unpacked ``weight`` where the path's own kernel takes every call
+        (any row count; `forward` hands it N-d and strided inputs as dense 2-D rows), so a
+        packed model does not hold its linear weights twice. Returns whether it dropped it.
+
+        Only for a weight no other module shares: a tied LM head's matrix is the embedding's
+        and stays alive (pack_linears keeps that reference)."""
+        if self.kernel_max_rows < _EVERY_ROW_COUNT or self._parameters["weight"] is None:
+            return False
+        self.weight = None
+        return True
 
     def silu_mul(self, x: Tensor) -> Tensor | None:
         """``silu(gate) * up`` of this ``[gate | up]`` projection of rows x [T, in], in one
@@ -164,9 +186,10 @@ def pack_linears(model: nn.Module, kernels: Kernels) -> int:
         for name, linear in targets:
             parent_name, _, attr = name.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
-            setattr(parent, attr, PackedLinear(linear.weight, linear.bias, kernels,
-                                               lm_head=name == "lm_head",
-                                               swiglu=attr == "gate_up_proj"))
+            packed = PackedLinear(linear.weight, linear.bias, kernels,
+                                  lm_head=name == "lm_head", swiglu=attr == "gate_up_proj")
+            packed.release_weight()  # the module owned it; its packing is the only copy now
+            setattr(parent, attr, packed)
         if getattr(model, "lm_head", "absent") is None:
             model.lm_head = PackedLinear(model.embed_tokens.weight, None, kernels, lm_head=True)
     except RuntimeError as exc:  # a oneDNN build without the op: plain linears still work
