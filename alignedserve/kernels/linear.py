@@ -89,9 +89,9 @@ class PackedLinear(nn.Module):
     ``packed`` (oneDNN's) are ``weight`` reordered, each None where no batch size uses it, and
     never go stale: weights are frozen after loading. ``weight`` may be shared with another
     module (a tied LM head reads the embedding matrix), or None once `release_weight` dropped
-    it (``tiles`` is then the only copy, and every call goes to the path's own kernel). ``fused_swiglu``: ``tiles`` holds the
-    interleaved packing (module docstring), and so does ``kernel_bias``, the bias as the
-    kernel takes it.
+    it (``tiles`` is then the only copy, and every call goes to the path's own kernel).
+    ``fused_swiglu``: ``tiles`` holds the interleaved packing (module docstring), and so does
+    ``kernel_bias``, the bias as the kernel takes it.
     """
 
     def __init__(self, weight: Tensor, bias: Tensor | None, kernels: Kernels,
@@ -153,8 +153,8 @@ class PackedLinear(nn.Module):
         (any row count; `forward` hands it N-d and strided inputs as dense 2-D rows), so a
         packed model does not hold its linear weights twice. Returns whether it dropped it.
 
-        Only for a weight no other module shares: a tied LM head's matrix is the embedding's
-        and stays alive (pack_linears keeps that reference)."""
+        Meant for a weight no other module shares: a tied LM head's matrix is the
+        embedding's, and `pack_linears` leaves that head's reference in place."""
         if self.kernel_max_rows < _EVERY_ROW_COUNT or self._parameters["weight"] is None:
             return False
         self.weight = None
