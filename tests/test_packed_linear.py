@@ -43,7 +43,8 @@ def test_pack_linears_keeps_the_model_output(compiled: Kernels) -> None:
 
 def test_pack_linears_holds_each_weight_once(compiled: Kernels) -> None:
     """Where the path's own kernel takes every batch size, the packing is the only copy of a
-    layer's weight; the model's output and N-d or strided inputs still work."""
+    layer's weight, and N-d or strided inputs still work. (The packed model's output and its
+    tied head: test_pack_linears_keeps_the_model_output.)"""
     model = ours_from_hf(tiny_hf_model(tie_word_embeddings=True)).bfloat16()
     plain = copy.deepcopy(model)
     pack_linears(model, compiled)
@@ -51,11 +52,6 @@ def test_pack_linears_holds_each_weight_once(compiled: Kernels) -> None:
               if isinstance(m, PackedLinear) and name != "lm_head"}
     takes_all = compiled.path in ("avx512_bf16", "avx512", "avx2")
     assert all((m.weight is None) == takes_all for m in layers.values())
-    assert model.lm_head.weight is model.embed_tokens.weight  # shared: never dropped
-    ids = torch.randint(0, 256, (20,), generator=torch.Generator().manual_seed(0))
-    with torch.inference_mode():
-        torch.testing.assert_close(our_logits(model, ids), our_logits(plain, ids),
-                                   rtol=0.05, atol=0.05)
     for name, layer in layers.items():
         weight = plain.get_submodule(name).weight
         x = torch.randn(2, 3, 2 * weight.shape[1], generator=torch.Generator().manual_seed(1))
