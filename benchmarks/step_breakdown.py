@@ -117,7 +117,7 @@ class PartTimer:
         timer = cls()
 
         def shape(args) -> str:  # a linear's weight shape, out x in features
-            return "x".join(map(str, args[0].weight.shape))
+            return f"{args[0].out_features}x{args[0].in_features}"
 
         timer.wrap(PackedLinear, "forward", lambda args: f"linear {shape(args)}")
         timer.wrap(PackedLinear, "silu_mul", lambda args: f"linear+SiLU {shape(args)}")

@@ -99,6 +99,7 @@ class PackedLinear(nn.Module):
         super().__init__()
         self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight, False)
         self.bias = bias
+        self.out_features, self.in_features = weight.shape  # as nn.Linear names them
         self.kernel_bias = bias
         self.kernel_max_rows = 0  # rows up to which the path's own kernel runs
         self.fused_swiglu = False
