@@ -2,11 +2,11 @@
 
 The suite builds and runs the paths this CPU has (tests/conftest.py's ``compiled``). A path it
 lacks, most often ``amx`` (few machines here have AMX), would otherwise meet a change to the
-shared sources only on a machine that has it, where a build error does not fail anything: the
-engine logs a warning and falls back to a slower path (kernels.select_kernels). So each source
-is compiled here into an object file with the missing path's compiler flags, as
-torch.utils.cpp_extension compiles it; nothing is linked, loaded or executed, so instructions
-this CPU lacks never run.
+shared sources only on a machine that has it: there the kernel tests fail (and the engine
+falls back to a slower path with a warning, kernels.select_kernels), so whoever next draws
+such a machine inherits a red suite. So each source is compiled here into an object file with
+the missing path's compiler flags, as torch.utils.cpp_extension compiles it; nothing is
+linked, loaded or executed, so instructions this CPU lacks never run.
 """
 
 from __future__ import annotations
