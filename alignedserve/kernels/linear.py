@@ -106,15 +106,14 @@ class PackedLinear(nn.Module):
         self._kernel = None
         tiles = None
         ext = kernels.ext
-        out_features, in_features = weight.shape
-        if kernels.amx and out_features % 16 == 0 and in_features % 32 == 0:
+        if kernels.amx and self.out_features % 16 == 0 and self.in_features % 32 == 0:
             self._kernel = ext.amx_linear
             tiles = ext.pack_weight(weight.detach())
             self.kernel_max_rows = AMX_MAX_ROWS_LM_HEAD if lm_head else AMX_MAX_ROWS
         elif (own := path_linear(kernels, weight)) is not None:
             self._kernel, pack = own
             self.fused_swiglu = (swiglu and kernels.avx512
-                                 and out_features % (2 * _SWIGLU_BLOCK) == 0)
+                                 and self.out_features % (2 * _SWIGLU_BLOCK) == 0)
             if self.fused_swiglu:
                 tiles = pack(interleave_gate_up(weight.detach()))
                 if bias is not None:
