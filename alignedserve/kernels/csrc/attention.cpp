@@ -37,7 +37,9 @@
 // Rapids this was tuned on, vdpbf16ps issues every ~2 cycles, half the multiply rate of the two
 // FMA ports. Prefetching a few lines ahead inside a stream measured no gain over the hardware
 // prefetchers; requesting the next item's rows, and for bf16 this item's V during its score
-// pass, does help (see "Software prefetch" below). An AMX version of both products (scores as
+// pass, does help the token-major, FMA and AMX kernels (see "Software prefetch" below). The
+// AVX512-BF16 dot-product kernel requests nothing: it reads each span's K and V in ascending
+// order and leaves both streams to the hardware prefetchers. An AMX version of both products (scores as
 // K . Q^T tiles, P.V on bf16 P) was tried and was no faster cold: tile stores, gathers out
 // of token-major score tiles and building V's pair layout per block cost what the FMAs did.
 
@@ -487,12 +489,18 @@ inline void to_block_layout(const float* src, int64_t rows, int64_t dim, float s
 // Software prefetch. A thread's work is compute-bound when its rows sit in cache (~2x the
 // cold rate here) and stalls on DRAM when they do not: each item starts fresh streams that the
 // hardware prefetchers pick up only after misses, and each pass streams one array at a time.
-// So during an item's score pass a thread asks (into L2, a slice per score block) for
+// So during an item's score pass a thread of the token-major, FMA or AMX kernel asks (into
+// L2, a slice per score block) for
 //   * the next item's K, so the next score pass starts on cached rows, and
 //   * with 2- and 4-byte caches, this item's own V, so K and V stream from DRAM together and
 //     the P.V pass reads V from L2 (faster, measured with benchmarks/attention_micro.py);
 //   * with fp8 caches, the next item's V instead (fp8 is compute-bound, not bandwidth-bound:
 //     there prefetching the current V measured slower, the next item's rows faster).
+// The dot-product kernel asks for nothing. On Zen 4, with its K blocks read one after another,
+// the hardware prefetchers alone fed it 1.1-1.2x faster in the VM's fast-read phases than any
+// requested pattern, and no slower in slow ones; likely because a software request holds one
+// of the core's few L1 miss buffers until its line arrives and the L2 prefetcher's requests do
+// not (docs/results/2026-12-05-zen4-decode-attention-hardware-prefetch.md).
 // ----------------------------------------------------------------------------------------------
 
 constexpr int64_t kLine = 64;
@@ -920,6 +928,7 @@ constexpr int64_t kPairBlock = 32;  // tokens per P.V round (a tile's pair depth
 // blocks (as for token-major bf16), the next item's whole K during its value rounds of
 // kPairBlock tokens; each paced in `slices` requests per score block or value round. (On 4 KiB
 // pages, asking for the next K, or for the next round's lines into L1, had measured no gain.)
+// slices == 0 hands two empty prefetchers (the dot-product kernel, see "Software prefetch").
 template <typename RunItem>
 void pull_tiled_items(const Problem& P, const Plan& plan, std::atomic<int64_t>& next,
                       int64_t slices, RunItem&& run) {
@@ -927,9 +936,9 @@ void pull_tiled_items(const Problem& P, const Plan& plan, std::atomic<int64_t>& 
   for (int64_t i = next.fetch_add(1); i < n_items;) {
     const Item& it = plan.items[i];
     const int64_t following = next.fetch_add(1);
-    Prefetcher scores_pf = prefetch_for<uint16_t>(P, it, nullptr, slices);
-    Prefetcher values_pf;
-    if (following < n_items) {  // never longer than `it`: items are sorted longest first
+    Prefetcher scores_pf, values_pf;
+    if (slices > 0) scores_pf = prefetch_for<uint16_t>(P, it, nullptr, slices);
+    if (slices > 0 && following < n_items) {  // never longer than `it`: sorted longest first
       const Item& nx = plan.items[following];
       values_pf.add(item_rows<uint16_t>(P, nx).first, (nx.end - nx.begin) * kTiledDim * 2,
                     (it.end - it.begin + kPairBlock - 1) / kPairBlock * slices);
@@ -945,8 +954,8 @@ void pull_tiled_items(const Problem& P, const Plan& plan, std::atomic<int64_t>& 
 // the line-fill buffers and the products stalled behind them; in four slices through the
 // block or round the requests overlap the arithmetic (FMA kernel on the avx512 path:
 // docs/results/2026-12-04-avx512-decode-values-one-pass.md; dot-product kernel on Zen 4:
-// docs/results/2026-12-04-zen4-dp-prefetch-slices.md). AVX2 builds and the AMX kernel keep
-// one request a block or round, as they were measured.
+// docs/results/2026-12-04-zen4-dp-prefetch-slices.md, since replaced by no requests at all).
+// AVX2 builds and the AMX kernel keep one request a block or round, as they were measured.
 #if defined(__AVX512F__)
 constexpr int kPrefetchSlices = 4;
 #else
@@ -1120,18 +1129,19 @@ inline __m512bh as_pairs(__m512i x) { return reinterpret_cast<__m512bh>(x); }
 
 // Scores of NB consecutive 16-token K blocks for NH heads: lane t of a head's vector is
 // sum over dim pairs j of q[h][pair j] . K[t][pair j]. `q` holds each head's 32 pairs as words.
-// `pf` (or null) is stepped kPrefetchSlices times per block, spread through the blocks.
+// The blocks are read one after another, each row by row, so the span's K is one ascending
+// stream for the hardware prefetchers: reading row j of all NB blocks in turn (NB streams
+// 2 KiB apart) ran 1.1-1.2x slower cold on Zen 4. Each (block, head) sum is its own
+// dependency chain either way, so the products of consecutive blocks still overlap.
 template <int NH, int NB>
 inline void dp_score_blocks(const uint32_t* q, const uint16_t* kb, float* scores,
-                            int64_t padded, Prefetcher* pf) {
-  static_assert(kTiledDim / 2 % (NB * kPrefetchSlices) == 0, "steps must divide the block rows");
+                            int64_t padded) {
   __m512 acc[NB][NH];
   for (auto& block : acc) {
     for (__m512& a : block) a = _mm512_setzero_ps();
   }
-  for (int j = 0; j < kTiledDim / 2; ++j) {
-    if (pf != nullptr && j % (kTiledDim / 2 / (NB * kPrefetchSlices)) == 0) pf->step();
-    for (int b = 0; b < NB; ++b) {
+  for (int b = 0; b < NB; ++b) {
+    for (int j = 0; j < kTiledDim / 2; ++j) {
       // Row j of block b: the block's 16 tokens' values of dim pair j (32 bf16).
       const __m512bh keys =
           as_pairs(_mm512_loadu_si512(kb + b * kKeyBlock * kTiledDim + j * 2 * kKeyBlock));
@@ -1152,7 +1162,7 @@ inline void dp_score_blocks(const uint32_t* q, const uint16_t* kb, float* scores
 // of 3 two blocks gave only six, too few to cover the product's latency (four blocks measured
 // faster on Zen 4 with the same bits: docs/results/2026-12-04-zen4-score-chains.md).
 void dp_scores(const uint16_t* q, const uint16_t* k, int64_t n, int64_t padded, int64_t group,
-               TiledScratch& s, Prefetcher& pf) {
+               TiledScratch& s) {
   const auto* qw = reinterpret_cast<const uint32_t*>(q);
   const int64_t blocks = (n + kKeyBlock - 1) / kKeyBlock;
   constexpr int kMaxHeads = 8;
@@ -1164,19 +1174,15 @@ void dp_scores(const uint16_t* q, const uint16_t* k, int64_t n, int64_t padded, 
       float* out = s.scores + h0 * padded;
       int64_t b = 0;
       // A partial last block is read in place, as on the AMX path (see tiled_scores).
-      Prefetcher* step = h0 == 0 ? &pf : nullptr;  // the first chunk paces the requests
-      constexpr int NB = NH <= 4 ? 4 : 2;  // at most 16 accumulators and NB rows live
+      constexpr int NB = NH <= 4 ? 4 : 2;  // at most 16 accumulators live
       for (; b + NB - 1 < blocks; b += NB) {
-        dp_score_blocks<NH, NB>(qh, k + b * kKeyBlock * kTiledDim, out + b * kKeyBlock, padded,
-                                step);
+        dp_score_blocks<NH, NB>(qh, k + b * kKeyBlock * kTiledDim, out + b * kKeyBlock, padded);
       }
       for (; b + 1 < blocks; b += 2) {
-        dp_score_blocks<NH, 2>(qh, k + b * kKeyBlock * kTiledDim, out + b * kKeyBlock, padded,
-                               step);
+        dp_score_blocks<NH, 2>(qh, k + b * kKeyBlock * kTiledDim, out + b * kKeyBlock, padded);
       }
       if (b < blocks) {
-        dp_score_blocks<NH, 1>(qh, k + b * kKeyBlock * kTiledDim, out + b * kKeyBlock, padded,
-                               step);
+        dp_score_blocks<NH, 1>(qh, k + b * kKeyBlock * kTiledDim, out + b * kKeyBlock, padded);
       }
     });
   }
@@ -1198,10 +1204,9 @@ inline void dp_value_pair(const uint32_t* p, int64_t p_stride, const uint16_t* v
 }
 
 // Pass 3 with dot products: s.acc[h][d] = sum_t p[h][t] v[t][d] over the span's (n + 1) / 2
-// token pairs. Heads go in chunks of up to 6 (24 accumulators in registers). The first chunk
-// steps `pf` kPrefetchSlices times per round of kPairBlock tokens.
-void dp_values(const uint16_t* v, int64_t n, int64_t padded, int64_t group, TiledScratch& s,
-               Prefetcher& pf) {
+// token pairs, read in ascending order. Heads go in chunks of up to 6 (24 accumulators in
+// registers).
+void dp_values(const uint16_t* v, int64_t n, int64_t padded, int64_t group, TiledScratch& s) {
   const auto* probs = reinterpret_cast<const uint32_t*>(s.probs);  // pairs of bf16
   const int64_t pairs = n / 2, p_stride = padded / 2;
   constexpr int kMaxHeads = 6;
@@ -1215,7 +1220,6 @@ void dp_values(const uint16_t* v, int64_t n, int64_t padded, int64_t group, Tile
         for (__m512& a : head) a = _mm512_setzero_ps();
       }
       for (int64_t i = 0; i < pairs; ++i) {
-        if (h0 == 0 && i % (kPairBlock / 2 / kPrefetchSlices) == 0) pf.step();
         dp_value_pair<NH>(p + i, p_stride, v + i * 2 * kTiledDim, ~__mmask32{0}, acc);
       }
       if (n % 2) {  // the last token alone: keep the even (first-token) halves of its pair
@@ -1230,8 +1234,9 @@ void dp_values(const uint16_t* v, int64_t n, int64_t padded, int64_t group, Tile
   }
 }
 
-// One item: the score pass asks for the item's own V (`scores_pf`), the value pass for the
-// thread's next item's K (`values_pf`), so a pass rarely starts on a cold stream.
+// One item. With AMX the score pass asks for the item's own V (`scores_pf`), the value pass
+// for the thread's next item's K (`values_pf`), so a pass rarely starts on a cold stream; the
+// dot-product passes ask for nothing (see "Software prefetch") and get empty prefetchers.
 template <bool kAmx>
 void run_item_tiled(const Problem& P, const Item& it, TiledScratch& s, Prefetcher& scores_pf,
                     Prefetcher& values_pf) {
@@ -1251,9 +1256,9 @@ void run_item_tiled(const Problem& P, const Item& it, TiledScratch& s, Prefetche
     return;
   }
 #endif
-  dp_scores(q, k, n, padded, P.group, s, scores_pf);
+  dp_scores(q, k, n, padded, P.group, s);
   tiled_softmax(P.group, n, padded, P.qscale, s);
-  dp_values(v, n, padded, P.group, s, values_pf);
+  dp_values(v, n, padded, P.group, s);
   finish_item(P, it, s.acc, s.mx, s.sum);
 }
 
@@ -1266,7 +1271,7 @@ void run_items_tiled(const Problem& P, const Plan& plan) {
     if constexpr (kAmx) configure_tiled_tiles(P.group);
 #endif
     TiledScratch scratch(P.group, plan.max_span);
-    pull_tiled_items(P, plan, next, kAmx ? 1 : kPrefetchSlices,
+    pull_tiled_items(P, plan, next, kAmx ? 1 : 0,
                      [&](const Item& it, Prefetcher& scores_pf, Prefetcher& values_pf) {
       run_item_tiled<kAmx>(P, it, scratch, scores_pf, values_pf);
     });
