@@ -497,10 +497,10 @@ inline void to_block_layout(const float* src, int64_t rows, int64_t dim, float s
 //   * with fp8 caches, the next item's V instead (fp8 is compute-bound, not bandwidth-bound:
 //     there prefetching the current V measured slower, the next item's rows faster).
 // The dot-product kernel asks for nothing. On Zen 4, with its K blocks read one after another,
-// the hardware prefetchers alone fed it 1.1-1.2x faster in the VM's fast-read phases than any
-// requested pattern, and no slower in slow ones; likely because a software request holds one
-// of the core's few L1 miss buffers until its line arrives and the L2 prefetcher's requests do
-// not (docs/results/2026-12-05-zen4-decode-attention-hardware-prefetch.md).
+// the hardware prefetchers alone fed it faster than any requested pattern when the memory had
+// bandwidth to spare, and no slower when it had none; likely because a software request holds
+// one of the core's few L1 miss buffers until its line arrives and the L2 prefetcher's requests
+// do not (docs/results/2026-12-05-zen4-decode-attention-hardware-prefetch.md).
 // ----------------------------------------------------------------------------------------------
 
 constexpr int64_t kLine = 64;
@@ -1131,8 +1131,8 @@ inline __m512bh as_pairs(__m512i x) { return reinterpret_cast<__m512bh>(x); }
 // sum over dim pairs j of q[h][pair j] . K[t][pair j]. `q` holds each head's 32 pairs as words.
 // The blocks are read one after another, each row by row, so the span's K is one ascending
 // stream for the hardware prefetchers: reading row j of all NB blocks in turn (NB streams
-// 2 KiB apart) ran 1.1-1.2x slower cold on Zen 4. Each (block, head) sum is its own
-// dependency chain either way, so the products of consecutive blocks still overlap.
+// 2 KiB apart) measured slower cold on Zen 4 (see "Software prefetch"). Each (block, head)
+// sum is its own dependency chain either way, so consecutive blocks' products still overlap.
 template <int NH, int NB>
 inline void dp_score_blocks(const uint32_t* q, const uint16_t* kb, float* scores,
                             int64_t padded) {
