@@ -68,9 +68,12 @@ inline void request(const char* p) {
   for (size_t o = 0; o < kTile; o += kLine) _mm_prefetch(p + o, _MM_HINT_T1);
 }
 
+// L bytes of K and of V per item; C bytes per plane (K or V of one kv head of one row).
 struct Layout {
   size_t L, C;
-  const char* slot(const char* base, int item) const { return base + item / kHeads * 2 * kHeads * C; }
+  const char* slot(const char* base, int item) const {
+    return base + item / kHeads * 2 * kHeads * C;
+  }
   const char* k(const char* base, int item) const { return slot(base, item) + item % kHeads * C; }
   const char* v(const char* base, int item) const { return k(base, item) + kHeads * C; }
   const char* interleaved(const char* base, int item) const {

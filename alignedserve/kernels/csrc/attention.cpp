@@ -39,9 +39,10 @@
 // prefetchers; requesting the next item's rows, and for bf16 this item's V during its score
 // pass, does help the token-major, FMA and AMX kernels (see "Software prefetch" below). The
 // AVX512-BF16 dot-product kernel requests nothing: it reads each span's K and V in ascending
-// order and leaves both streams to the hardware prefetchers. An AMX version of both products (scores as
-// K . Q^T tiles, P.V on bf16 P) was tried and was no faster cold: tile stores, gathers out
-// of token-major score tiles and building V's pair layout per block cost what the FMAs did.
+// order and leaves both streams to the hardware prefetchers. An AMX version of both products
+// (scores as K . Q^T tiles, P.V on bf16 P) was tried and was no faster cold: tile stores,
+// gathers out of token-major score tiles and building V's pair layout per block cost what the
+// FMAs did.
 
 // Narrow includes on purpose: <torch/extension.h> alone takes ~30 s to compile; these ~8 s.
 #include <ATen/Parallel.h>
