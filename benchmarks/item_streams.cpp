@@ -21,48 +21,23 @@
 //
 //   g++ -O2 -march=native -pthread -DWORK=4 benchmarks/item_streams.cpp -o /tmp/item_streams
 //   /tmp/item_streams MODE [L_KIB C_KIB]     (default 80 96: a 640-token row's head, bf16)
-#include <immintrin.h>
-#include <sys/mman.h>
-
 #include <algorithm>
-#include <chrono>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
 #include <random>
 #include <string>
-#include <thread>
 #include <vector>
 
 #ifndef WORK
 #define WORK 4
 #endif
 
+#include "stream_probe.h"
+
 namespace {
 
-constexpr size_t kBytes = size_t(512) << 20, kLine = 64, kTile = 2048, kHeads = 3;
+constexpr size_t kBytes = size_t(512) << 20, kLine = probe::kLine, kTile = 2048, kHeads = 3;
 constexpr int kThreads = 2;
-
-struct Acc {
-  __m512 a[6];
-  Acc() {
-    for (auto& x : a) x = _mm512_setzero_ps();
-  }
-  inline void line(const char* p) {
-    const __m512 w = _mm512_set1_ps(1.0001f);
-    const __m512 x = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_load_si512(p), 16));
-#pragma GCC unroll 64
-    for (int k = 0; k < WORK; ++k) a[k % 6] = _mm512_fmadd_ps(x, w, a[k % 6]);
-    if constexpr (WORK == 0) a[0] = _mm512_add_ps(a[0], x);
-  }
-  inline void tile(const char* p) {
-    for (size_t o = 0; o < kTile; o += kLine) line(p + o);
-  }
-  float total() {
-    for (int i = 1; i < 6; ++i) a[0] = _mm512_add_ps(a[0], a[i]);
-    return _mm512_reduce_add_ps(a[0]);
-  }
-};
 
 inline void request(const char* p) {
   for (size_t o = 0; o < kTile; o += kLine) _mm_prefetch(p + o, _MM_HINT_T1);
@@ -83,7 +58,7 @@ struct Layout {
 
 float read_items(const std::string& mode, const char* base, const Layout& lay,
                  const std::vector<int>& order) {
-  Acc acc;
+  probe::LineWork acc;
   const size_t tiles = lay.L / kTile;
   const bool pf = mode == "items-prefetch" || mode == "items-lockstep-prefetch";
   const bool lockstep = mode == "items-lockstep" || mode == "items-lockstep-prefetch";
@@ -91,7 +66,7 @@ float read_items(const std::string& mode, const char* base, const Layout& lay,
     const int it = order[i];
     if (mode == "interleaved") {
       const char* r = lay.interleaved(base, it);
-      for (size_t t = 0; t < 2 * tiles; ++t) acc.tile(r + t * kTile);
+      for (size_t t = 0; t < 2 * tiles; ++t) acc.lines(r + t * kTile, kTile);
       continue;
     }
     const char *k = lay.k(base, it), *v = lay.v(base, it);
@@ -105,20 +80,20 @@ float read_items(const std::string& mode, const char* base, const Layout& lay,
     } else {
       for (size_t t = 0; t < tiles; ++t) {
         if (pf) request(v + t * kTile);
-        acc.tile(k + t * kTile);
+        acc.lines(k + t * kTile, kTile);
       }
     }
     for (size_t t = 0; t < tiles; ++t) {
       if (pf && next_k) request(next_k + t * kTile);
-      acc.tile(v + t * kTile);
+      acc.lines(v + t * kTile, kTile);
     }
   }
   return acc.total();
 }
 
 float read_stream(const char* base) {
-  Acc acc;
-  for (size_t o = 0; o < kBytes; o += kTile) acc.tile(base + o);
+  probe::LineWork acc;
+  acc.lines(base, kBytes);
   return acc.total();
 }
 
@@ -143,37 +118,21 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "L must be a multiple of 8 KiB and C >= L\n");
     return 2;
   }
-  std::vector<char*> buffers;
-  for (int t = 0; t < kThreads; ++t) {
-    auto* b = static_cast<char*>(std::aligned_alloc(size_t(2) << 20, kBytes));
-    madvise(b, kBytes, MADV_HUGEPAGE);
-    std::memset(b, 0x3f, kBytes);  // widens to normal floats
-    buffers.push_back(b);
-  }
+  const std::vector<char*> buffers = probe::huge_buffers(kThreads, kBytes);
   const int items = static_cast<int>(kBytes / (2 * kHeads * lay.C) * kHeads);
   std::vector<int> order(items);
   for (int i = 0; i < items; ++i) order[i] = i;
   std::shuffle(order.begin(), order.end(), std::mt19937(1));
+  // Bytes each thread reads per round.
   const double useful = mode == "stream" ? double(kBytes) : double(items) * 2 * lay.L;
-  double best = 0;
   float sink = 0;
-  for (int round = 0; round < 5; ++round) {
-    const auto start = std::chrono::steady_clock::now();
-    std::vector<float> out(kThreads);
-    std::vector<std::thread> workers;
-    for (int t = 0; t < kThreads; ++t) {
-      workers.emplace_back([&, t] {
-        out[t] = mode == "stream" ? read_stream(buffers[t])
-                                  : read_items(mode, buffers[t], lay, order);
-      });
-    }
-    for (auto& w : workers) w.join();
-    const double s =
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    best = std::max(best, kThreads * useful / s / 1e9);
-    for (float x : out) sink += x;
-  }
-  // The sums feed the output (an invisible space at most), so the compiler keeps the reads.
+  const double best = probe::best_rate(
+      kThreads, useful,
+      [&](int t) {
+        return mode == "stream" ? read_stream(buffers[t])
+                                : read_items(mode, buffers[t], lay, order);
+      },
+      sink);
   std::printf("WORK %d, %s, L %zu KiB, C %zu KiB: %.1f GB/s (best of 5)%s\n", WORK, mode.c_str(),
               lay.L >> 10, lay.C >> 10, best, sink == 1.0f ? " " : "");
   return 0;
