@@ -17,7 +17,13 @@
 //                         pass's order), demand loads;
 //   items-lockstep-prefetch   the same with today's requests;
 //   interleaved           one item = one stream of K and V tiles, read in order (a one-pass
-//                         kernel over an interleaved layout), demand loads.
+//                         kernel over an interleaved layout), demand loads;
+//   rows                  one item = a whole slot (row unit): tile t of K of kv head 0, 1, 2,
+//                         then tile t + 1, ..., then its V planes the same way, demand loads;
+//   rows-regions          the same reads over a layout whose slot keeps K of all kv heads in
+//                         one run of 3 L bytes, then V (a kv-head-inner cache layout).
+// Slots are separate rows' caches, so `rows*` take them shuffled. C = L (e.g. `80 80`) shows
+// the same reads with no unused capacity between planes.
 //
 //   g++ -O2 -march=native -pthread -DWORK=4 benchmarks/item_streams.cpp -o /tmp/item_streams
 //   /tmp/item_streams MODE [L_KIB C_KIB]     (default 80 96: a 640-token row's head, bf16)
@@ -64,6 +70,19 @@ float read_items(const std::string& mode, const char* base, const Layout& lay,
   const bool lockstep = mode == "items-lockstep" || mode == "items-lockstep-prefetch";
   for (size_t i = 0; i < order.size(); ++i) {
     const int it = order[i];
+    if (mode == "rows" || mode == "rows-regions") {
+      if (it % kHeads) continue;  // the slot's first item stands for the whole slot
+      for (int kv = 0; kv < 2; ++kv) {
+        const char* first = kv ? lay.v(base, it) : lay.k(base, it);
+        if (mode == "rows-regions") {
+          acc.lines(first, kHeads * lay.L);
+          continue;
+        }
+        for (size_t t = 0; t < tiles; ++t)
+          for (size_t h = 0; h < kHeads; ++h) acc.lines(first + h * lay.C + t * kTile, kTile);
+      }
+      continue;
+    }
     if (mode == "interleaved") {
       const char* r = lay.interleaved(base, it);
       for (size_t t = 0; t < 2 * tiles; ++t) acc.lines(r + t * kTile, kTile);
@@ -107,7 +126,7 @@ int main(int argc, char** argv) {
   const std::string mode = argv[1];
   const std::vector<std::string> modes = {"stream", "items-prefetch", "items-demand",
                                           "items-lockstep", "items-lockstep-prefetch",
-                                          "interleaved"};
+                                          "interleaved", "rows", "rows-regions"};
   if (std::find(modes.begin(), modes.end(), mode) == modes.end()) {
     std::fprintf(stderr, "unknown mode %s\n", mode.c_str());
     return 2;
@@ -123,6 +142,12 @@ int main(int argc, char** argv) {
   std::vector<int> order(items);
   for (int i = 0; i < items; ++i) order[i] = i;
   std::shuffle(order.begin(), order.end(), std::mt19937(1));
+  if (mode == "rows" || mode == "rows-regions") {  // whole slots, in shuffled order
+    std::vector<int> slots(items / kHeads);
+    for (size_t i = 0; i < slots.size(); ++i) slots[i] = static_cast<int>(i);
+    std::shuffle(slots.begin(), slots.end(), std::mt19937(1));
+    for (size_t i = 0; i < order.size(); ++i) order[i] = slots[i / kHeads] * kHeads + i % kHeads;
+  }
   // Bytes each thread reads per round.
   const double useful = mode == "stream" ? double(kBytes) : double(items) * 2 * lay.L;
   float sink = 0;

@@ -120,6 +120,44 @@ def test_tiled_decode_takes_every_group_size(ext, heads, kv_heads):
     check_tiled_decode(ext, [1, 31, 2100], heads, kv_heads)
 
 
+@pytest.fixture
+def two_threads():
+    """Two intra-op threads, so 16 rows or more make a call of row units on any machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(threads)
+
+
+# A call of many rows runs as row units on the dot-product kernel (every kv head of a row in
+# one work item); these take the GQA groups units take (up to 6 heads, 16 per row) and the
+# odd, partial-block and split rows, through that path.
+MANY_ROWS = [1, 2, 15, 16, 17, 31, 32, 33, 64, 300, 2049, 5000, 9, 100, 640, 1000]
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (8, 2), (12, 2), (16, 4), (7, 1)])
+def test_tiled_decode_of_many_rows(ext, two_threads, heads, kv_heads):
+    check_tiled_decode(ext, MANY_ROWS, heads, kv_heads)
+
+
+def test_tiled_rows_give_the_same_bits_alone_and_in_a_batch(ext, two_threads):
+    """Batch invariance across the two item shapes: a row alone is a few (row, kv head)
+    items, among many rows one row unit; each score and sum runs in the same order."""
+    gen = torch.Generator().manual_seed(11)
+    lengths = [1 + (i * 617) % 5000 for i in range(40)]
+    caches = tiled_rows(lengths, gen)
+    q = (torch.randn(len(lengths), HEADS, DIM, generator=gen) * 2).to(torch.bfloat16)
+    k_new = random_bf16(len(lengths), KV_HEADS, DIM, gen=gen)
+    v_new = random_bf16(len(lengths), KV_HEADS, DIM, gen=gen)
+    pos = torch.tensor([n - 1 for n in lengths])
+    batch = ext.decode_attention(q, k_new, v_new, [c.clone() for c in caches], pos, 1,
+                                 DIM ** -0.5, True)
+    for b in (0, 7, 13, 39):
+        alone = ext.decode_attention(q[b:b + 1], k_new[b:b + 1], v_new[b:b + 1],
+                                     [caches[b].clone()], pos[b:b + 1], 1, DIM ** -0.5, True)
+        assert torch.equal(alone[0].view(torch.int16), batch[b].view(torch.int16)), b
+
+
 def check_tiled_decode(ext, lengths: list[int], heads: int, kv_heads: int) -> None:
     gen = torch.Generator().manual_seed(len(lengths) + heads)
     caches = tiled_rows(lengths, gen, kv_heads)

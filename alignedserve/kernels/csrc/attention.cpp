@@ -22,7 +22,10 @@
 // lengths in a batch can differ by 50x and a static split would leave a core idle. Rows longer
 // than kSpan are cut into fixed spans whose partial softmax states are merged at the end, in
 // span order (the split-K "flash decoding" combine). Where a row is cut depends on its own
-// length only, so its result does not depend on the batch (batch invariance).
+// length only, so its result does not depend on the batch (batch invariance). The AVX512-BF16
+// dot-product kernel takes a call of many rows as row units instead: every kv head of one
+// (row, span) in one item, its planes read side by side ("Row units" below); each result is
+// the same sum in the same order either way.
 //
 // Inside an item: pass 1 computes the scores of all heads of the group (16 tokens per score
 // vector), pass 2 takes the softmax over the span's score buffer (small: it stays in L1/L2),
@@ -1235,6 +1238,124 @@ void dp_values(const uint16_t* v, int64_t n, int64_t padded, int64_t group, Tile
   }
 }
 
+// Row units (dot-product kernel, calls of many rows). A row's cache holds each kv head's K
+// plane, then each one's V plane, every plane `capacity` tokens long of which the row uses its
+// length; so per (row, kv head) item the kernel read two streams that each stopped short of
+// the next plane, and the hardware prefetchers, having run on past each stream's end, had to
+// pick up every new one. A unit is every kv head of one (row, span): its score pass reads K
+// block b of kv head 0, 1, 2, then block b + 1 of each, and its value pass V tiles the same
+// way, so a row's K planes (then its V planes) advance together as one region. On Zen 4 that
+// read faster when memory had bandwidth to spare and no slower when it had none; turns of 2 or
+// 4 blocks per head read slower (docs/results/2026-12-05-zen4-decode-row-units.md).
+// Every score and every accumulator sums the same terms in the same order as dp_scores and
+// dp_values, so the outputs are bit-identical to the per-head items'. Calls of few rows keep
+// per-head items: a unit per row would leave threads idle.
+constexpr int64_t kUnitPairs = kKeyBlock / 2;  // V pairs per head's turn: one 2 KiB tile
+constexpr int64_t kUnitMinRowsPerThread = 4;   // fewer rows keep per-head items
+
+// Scores of every kv head of a unit into s.scores rows g * NH + h, block by block.
+template <int NH>
+void dp_unit_scores(const uint16_t* q, const uint16_t* const* k, int64_t kv, int64_t n,
+                    int64_t padded, TiledScratch& s) {
+  const auto* qw = reinterpret_cast<const uint32_t*>(q);
+  const int64_t blocks = (n + kKeyBlock - 1) / kKeyBlock;
+  for (int64_t b = 0; b < blocks; ++b) {
+    for (int64_t g = 0; g < kv; ++g) {
+      dp_score_blocks<NH, 1>(qw + g * NH * kTiledDim / 2, k[g] + b * kKeyBlock * kTiledDim,
+                             s.scores + g * NH * padded + b * kKeyBlock, padded);
+    }
+  }
+}
+
+// P.V of every kv head of a unit into s.acc rows g * NH + h; a head's accumulators wait in
+// s.acc (L1) while the other heads take their turn.
+template <int NH>
+void dp_unit_values(const uint16_t* const* v, int64_t kv, int64_t n, int64_t padded,
+                    TiledScratch& s) {
+  const auto* probs = reinterpret_cast<const uint32_t*>(s.probs);
+  const int64_t pairs = n / 2, p_stride = padded / 2;
+  std::fill(s.acc, s.acc + kv * NH * kTiledDim, 0.0f);
+  auto turn = [&](int64_t g, int64_t i0, int64_t i1, bool odd_tail) {
+    float* a = s.acc + g * NH * kTiledDim;
+    __m512 acc[NH][4];
+    for (int h = 0; h < NH; ++h) {
+      for (int c = 0; c < 4; ++c) acc[h][c] = _mm512_loadu_ps(a + h * kTiledDim + c * kLanes);
+    }
+    const uint32_t* p = probs + g * NH * p_stride;
+    for (int64_t i = i0; i < i1; ++i) {
+      dp_value_pair<NH>(p + i, p_stride, v[g] + i * 2 * kTiledDim, ~__mmask32{0}, acc);
+    }
+    if (odd_tail) {
+      dp_value_pair<NH>(p + pairs, p_stride, v[g] + pairs * 2 * kTiledDim, 0x55555555u, acc);
+    }
+    for (int h = 0; h < NH; ++h) {
+      for (int c = 0; c < 4; ++c) _mm512_storeu_ps(a + h * kTiledDim + c * kLanes, acc[h][c]);
+    }
+  };
+  for (int64_t i0 = 0; i0 < pairs; i0 += kUnitPairs) {
+    for (int64_t g = 0; g < kv; ++g) turn(g, i0, std::min(pairs, i0 + kUnitPairs), false);
+  }
+  if (n % 2) {
+    for (int64_t g = 0; g < kv; ++g) turn(g, pairs, pairs, true);
+  }
+}
+
+// Whether a call runs as row units: the dot-product kernel, a GQA group whose accumulators fit
+// the value pass's registers, every head's softmax state in the scratch, and enough rows that
+// units (one per row) still spread over the threads.
+inline bool units_apply(const Problem& P, int64_t rows) {
+  return P.group <= 6 && P.group * P.kv_heads <= 16 &&
+         rows >= kUnitMinRowsPerThread * at::get_num_threads();
+}
+
+// The plan's items regrouped so each unit's kv heads are adjacent (g ascending), units
+// longest first.
+inline std::vector<Item> unit_items(const Plan& plan) {
+  std::vector<Item> items = plan.items;
+  std::sort(items.begin(), items.end(), [](const Item& a, const Item& b) {
+    const int64_t la = a.end - a.begin, lb = b.end - b.begin;
+    if (la != lb) return la > lb;
+    if (a.row != b.row) return a.row < b.row;
+    if (a.begin != b.begin) return a.begin < b.begin;
+    return a.kv_head < b.kv_head;
+  });
+  return items;
+}
+
+void run_unit(const Problem& P, const Item* items, TiledScratch& s) {
+  const int64_t kv = P.kv_heads, n = items[0].end - items[0].begin;
+  const int64_t padded = (n + kPairBlock - 1) / kPairBlock * kPairBlock;
+  const uint16_t* k[16];
+  const uint16_t* v[16];
+  for (int64_t g = 0; g < kv; ++g) {
+    append_if_last<true>(P, items[g]);
+    std::tie(k[g], v[g]) = item_rows<uint16_t>(P, items[g]);
+  }
+  const uint16_t* q = P.q_bf16 + items[0].row * P.q_row;
+  with_head_count<6>(static_cast<int>(P.group), [&](auto heads) {
+    constexpr int NH = decltype(heads)::value;
+    dp_unit_scores<NH>(q, k, kv, n, padded, s);
+    tiled_softmax(NH * kv, n, padded, P.qscale, s);
+    dp_unit_values<NH>(v, kv, n, padded, s);
+  });
+  for (int64_t g = 0; g < kv; ++g) {
+    finish_item(P, items[g], s.acc + g * P.group * kTiledDim, s.mx + g * P.group,
+                s.sum + g * P.group);
+  }
+}
+
+void run_units(const Problem& P, const Plan& plan) {
+  const std::vector<Item> items = unit_items(plan);
+  const auto n_units = static_cast<int64_t>(items.size()) / P.kv_heads;
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    TiledScratch scratch(P.group * P.kv_heads, plan.max_span);
+    for (int64_t u = next.fetch_add(1); u < n_units; u = next.fetch_add(1)) {
+      run_unit(P, items.data() + u * P.kv_heads, scratch);
+    }
+  });
+}
+
 // One item. With AMX the score pass asks for the item's own V (`scores_pf`), the value pass
 // for the thread's next item's K (`values_pf`), so a pass rarely starts on a cold stream; the
 // dot-product passes ask for nothing (see "Software prefetch") and get empty prefetchers.
@@ -1657,6 +1778,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_new,
 #if defined(__AVX512BF16__)
     if (amx::available()) {
       run_items_tiled<true>(P, plan);
+    } else if (units_apply(P, rows)) {
+      run_units(P, plan);
     } else {
       run_items_tiled<false>(P, plan);
     }
