@@ -122,7 +122,8 @@ def test_tiled_decode_takes_every_group_size(ext, heads, kv_heads):
 
 @pytest.fixture
 def two_threads():
-    """Two intra-op threads, so 16 rows or more make a call of row units on any machine."""
+    """Two intra-op threads, so the calls of 16 and 40 rows below run as row units (at least
+    four rows per thread) on a machine of any size."""
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     yield
@@ -130,8 +131,8 @@ def two_threads():
 
 
 # A call of many rows runs as row units on the dot-product kernel (every kv head of a row in
-# one work item); these take the GQA groups units take (up to 6 heads, 16 per row) and the
-# odd, partial-block and split rows, through that path.
+# one work item): odd, partial-block and split rows through that path, for GQA groups units
+# take (up to 6 heads, 16 heads per row) and one they leave to per-head items (7).
 MANY_ROWS = [1, 2, 15, 16, 17, 31, 32, 33, 64, 300, 2049, 5000, 9, 100, 640, 1000]
 
 
