@@ -852,8 +852,14 @@ inline Plan plan_items(const int64_t* pos, int64_t rows, int64_t kv_heads, int64
     }
     plan.max_span = std::max(plan.max_span, std::min(n, span));
   }
-  std::stable_sort(plan.items.begin(), plan.items.end(), [](const Item& a, const Item& b) {
-    return a.end - a.begin > b.end - b.begin;
+  // Longest first; among equal lengths by row, span and kv head, so every kv head of one
+  // (row, span) sits together: the row units below take them as consecutive runs.
+  std::sort(plan.items.begin(), plan.items.end(), [](const Item& a, const Item& b) {
+    const int64_t la = a.end - a.begin, lb = b.end - b.begin;
+    if (la != lb) return la > lb;
+    if (a.row != b.row) return a.row < b.row;
+    if (a.begin != b.begin) return a.begin < b.begin;
+    return a.kv_head < b.kv_head;
   });
   return plan;
 }
@@ -1252,6 +1258,7 @@ void dp_values(const uint16_t* v, int64_t n, int64_t padded, int64_t group, Tile
 // per-head items: a unit per row would leave threads idle.
 constexpr int64_t kUnitPairs = kKeyBlock / 2;  // V pairs per head's turn: one 2 KiB tile
 constexpr int64_t kUnitMinRowsPerThread = 4;   // fewer rows keep per-head items
+constexpr int kUnitMaxGroup = 6;  // a head's 4 value accumulators: 24 registers for 6 heads
 
 // Scores of every kv head of a unit into s.scores rows g * NH + h, block by block.
 template <int NH>
@@ -1304,22 +1311,8 @@ void dp_unit_values(const uint16_t* const* v, int64_t kv, int64_t n, int64_t pad
 // the value pass's registers, every head's softmax state in the scratch, and enough rows that
 // units (one per row) still spread over the threads.
 inline bool units_apply(const Problem& P, int64_t rows) {
-  return P.group <= 6 && P.group * P.kv_heads <= 16 &&
+  return P.group <= kUnitMaxGroup && P.group * P.kv_heads <= 16 &&
          rows >= kUnitMinRowsPerThread * at::get_num_threads();
-}
-
-// The plan's items regrouped so each unit's kv heads are adjacent (g ascending), units
-// longest first.
-inline std::vector<Item> unit_items(const Plan& plan) {
-  std::vector<Item> items = plan.items;
-  std::sort(items.begin(), items.end(), [](const Item& a, const Item& b) {
-    const int64_t la = a.end - a.begin, lb = b.end - b.begin;
-    if (la != lb) return la > lb;
-    if (a.row != b.row) return a.row < b.row;
-    if (a.begin != b.begin) return a.begin < b.begin;
-    return a.kv_head < b.kv_head;
-  });
-  return items;
 }
 
 void run_unit(const Problem& P, const Item* items, TiledScratch& s) {
@@ -1332,7 +1325,7 @@ void run_unit(const Problem& P, const Item* items, TiledScratch& s) {
     std::tie(k[g], v[g]) = item_rows<uint16_t>(P, items[g]);
   }
   const uint16_t* q = P.q_bf16 + items[0].row * P.q_row;
-  with_head_count<6>(static_cast<int>(P.group), [&](auto heads) {
+  with_head_count<kUnitMaxGroup>(static_cast<int>(P.group), [&](auto heads) {
     constexpr int NH = decltype(heads)::value;
     dp_unit_scores<NH>(q, k, kv, n, padded, s);
     tiled_softmax(NH * kv, n, padded, P.qscale, s);
@@ -1344,14 +1337,15 @@ void run_unit(const Problem& P, const Item* items, TiledScratch& s) {
   }
 }
 
+// Unit u is plan.items[u * kv_heads, (u + 1) * kv_heads): plan_items orders them so.
 void run_units(const Problem& P, const Plan& plan) {
-  const std::vector<Item> items = unit_items(plan);
-  const auto n_units = static_cast<int64_t>(items.size()) / P.kv_heads;
+  const Item* items = plan.items.data();
+  const auto n_units = static_cast<int64_t>(plan.items.size()) / P.kv_heads;
   std::atomic<int64_t> next{0};
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     TiledScratch scratch(P.group * P.kv_heads, plan.max_span);
     for (int64_t u = next.fetch_add(1); u < n_units; u = next.fetch_add(1)) {
-      run_unit(P, items.data() + u * P.kv_heads, scratch);
+      run_unit(P, items + u * P.kv_heads, scratch);
     }
   });
 }
