@@ -213,7 +213,6 @@ def test_cached_tokenizer_equals_fresh_gguf_conversion(
     assert (cached.eos_token, cached.bos_token) == (fresh.eos_token, fresh.bos_token)
 
 
-
 _RESIDENT_AFTER_LOAD = """
 import ctypes, re, sys
 from alignedserve.model.loader import load_model
@@ -234,13 +233,14 @@ print(before - resident_mib())
                     or not hasattr(ctypes.CDLL(None), "malloc_trim"),
                     reason="needs Linux's /proc and glibc's malloc_trim")
 def test_loading_returns_its_freed_heap_to_the_os(default_model_path: Path) -> None:
-    """What loading the default model freed (its load-time copies of the weights, ~150 MiB in
+    """What loading the default model freed (its load-time copies of the weights, 150-300 MiB in
     small blocks) is back with the OS when load_model returns: a second malloc_trim, in a fresh
     process so no other test's garbage counts, finds little left to give back."""
     out = subprocess.run([sys.executable, "-c", _RESIDENT_AFTER_LOAD, str(default_model_path)],
                          capture_output=True, text=True, timeout=300, check=True)
     released_mib = float(out.stdout.split()[-1])
     assert released_mib < 32, f"{released_mib:.0f} MiB of freed heap was still resident"
+
 
 # ---------------------------------------------------------------- default model fetch
 

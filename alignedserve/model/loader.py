@@ -94,7 +94,7 @@ def _released(loaded: LoadedModel) -> LoadedModel:
     Loading leaves copies behind: dequantized GGUF tensors, each weight before it was packed
     and before it moved to huge pages. glibc keeps freed blocks below the top of its heap for
     reuse and gives them back only when asked, so for a model of small tensors (the default
-    one) the process would keep ~150 MiB of resident memory it never touches again. Tensors
+    one) the process would keep 150-300 MiB of resident memory it never touches again. Tensors
     above glibc's mmap threshold were unmapped when freed and are not affected. A no-op where
     the C library has no ``malloc_trim`` (not glibc)."""
     try:
