@@ -931,6 +931,9 @@ void run_items(const Problem& P, const Plan& plan) {
 constexpr int64_t kTiledDim = tiled::kDim;        // two 32-dim tiles
 constexpr int64_t kKeyBlock = tiled::kKeyBlock;  // one score tile / vector of tokens
 constexpr int64_t kPairBlock = 32;  // tokens per P.V round (a tile's pair depth)
+// Query heads whose softmax state one item's scratch holds: a GQA group, or every head of a
+// row unit.
+constexpr int64_t kTiledMaxHeads = 16;
 
 // One thread's share of a tiled call: it pulls the next-longest item until none are left (as
 // run_items), and hands `run(item, scores_pf, values_pf)` two prefetchers, each measured faster
@@ -983,7 +986,7 @@ struct TiledScratch {
   uint16_t* probs;     // [group][padded_cap], bf16
   uint16_t* vtail;     // [kPairBlock * 64]: the last V pairs, zero past the span's end
   float* acc;          // [group][64]
-  float mx[16], sum[16];
+  float mx[kTiledMaxHeads], sum[kTiledMaxHeads];
 
   TiledScratch(int64_t group, int64_t max_span)
       : padded_cap((max_span + kPairBlock - 1) / kPairBlock * kPairBlock) {
@@ -1311,15 +1314,15 @@ void dp_unit_values(const uint16_t* const* v, int64_t kv, int64_t n, int64_t pad
 // the value pass's registers, every head's softmax state in the scratch, and enough rows that
 // units (one per row) still spread over the threads.
 inline bool units_apply(const Problem& P, int64_t rows) {
-  return P.group <= kUnitMaxGroup && P.group * P.kv_heads <= 16 &&
+  return P.group <= kUnitMaxGroup && P.group * P.kv_heads <= kTiledMaxHeads &&
          rows >= kUnitMinRowsPerThread * at::get_num_threads();
 }
 
 void run_unit(const Problem& P, const Item* items, TiledScratch& s) {
   const int64_t kv = P.kv_heads, n = items[0].end - items[0].begin;
   const int64_t padded = (n + kPairBlock - 1) / kPairBlock * kPairBlock;
-  const uint16_t* k[16];
-  const uint16_t* v[16];
+  const uint16_t* k[kTiledMaxHeads];  // kv_heads <= group * kv_heads (units_apply)
+  const uint16_t* v[kTiledMaxHeads];
   for (int64_t g = 0; g < kv; ++g) {
     append_if_last<true>(P, items[g]);
     std::tie(k[g], v[g]) = item_rows<uint16_t>(P, items[g]);
@@ -1711,7 +1714,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_new,
                      "caches must be bfloat16, float32 or float8_e5m2");
   if (tiled) {
     ALIGNEDSERVE_CHECK(dtype == at::kBFloat16 && dim == 64 && scale > 0 &&
-                           heads / kv_heads <= 16,
+                           heads / kv_heads <= kTiledMaxHeads,
                        "tiled caches are bf16 with head_dim 64, at most 16 heads per kv head");
   }
 
