@@ -129,7 +129,8 @@ class LLMEngine:
             for d in tier_devices.values())
         pool = KVPool(tier_devices, mc.num_layers, mc.num_kv_heads, mc.head_dim, self.kv_dtype,
                       tiled)
-        log.info("kernels: %s path; KV cache: %s, %s layout", self.kernels.path,
+        log.info("kernels: %s path%s; KV cache: %s, %s layout", self.kernels.path,
+                 " (decode attention in row units)" if self.kernels.row_units else "",
                  str(self.kv_dtype).removeprefix("torch."), "tiled" if tiled else "token-major")
         if cache.preallocate_kv:
             self._preallocate(store, pool, tier_devices)

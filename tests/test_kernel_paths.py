@@ -45,6 +45,31 @@ def test_paths_follow_the_cpu_flags(monkeypatch, flags, best):
         cpu_paths.cache_clear()
 
 
+@pytest.mark.parametrize("vendor,family,units", [
+    ("AuthenticAMD", "25", True),    # Zen 4 (family 19h): row units measured faster
+    ("AuthenticAMD", "26", False),   # Zen 5 (family 1Ah): per-head items measured faster
+    ("GenuineIntel", "6", False),    # not measured: per-head items
+    ("", "", False),                 # no /proc/cpuinfo
+])
+def test_decode_row_units_follow_the_cpu(monkeypatch, vendor, family, units):
+    fields = {"vendor_id": vendor, "cpu family": family}
+    monkeypatch.setattr(isa, "_cpuinfo_field", lambda name: fields.get(name, ""))
+    monkeypatch.delenv(isa.ROW_UNITS_ENV, raising=False)
+    isa.decode_row_units.cache_clear()
+    try:
+        assert isa.decode_row_units() is units
+        for forced in ("0", "1"):
+            monkeypatch.setenv(isa.ROW_UNITS_ENV, forced)
+            isa.decode_row_units.cache_clear()
+            assert isa.decode_row_units() is (forced == "1")
+        monkeypatch.setenv(isa.ROW_UNITS_ENV, "yes")
+        isa.decode_row_units.cache_clear()
+        with pytest.raises(ValueError, match="0 or 1"):
+            isa.decode_row_units()
+    finally:
+        isa.decode_row_units.cache_clear()
+
+
 def test_default_is_the_best_path(monkeypatch):
     monkeypatch.delenv(isa.ENV_VAR, raising=False)
     monkeypatch.delenv("ALIGNEDSERVE_NO_KERNELS", raising=False)

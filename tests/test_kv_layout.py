@@ -130,20 +130,23 @@ def two_threads():
     torch.set_num_threads(threads)
 
 
-# A call of many rows runs as row units on the dot-product kernel (every kv head of a row in
-# one work item): odd, partial-block and split rows through that path, for GQA groups units
-# take (up to 6 heads, 16 heads per row) and one they leave to per-head items (7).
+# A call of many rows asked to run as row units does so on the dot-product kernel (every kv
+# head of a row in one work item); elsewhere, and not asked, as per-head items. Odd,
+# partial-block and split rows through both, for GQA groups units take (up to 6 heads, 16
+# heads per row) and one they leave to per-head items (7).
 MANY_ROWS = [1, 2, 15, 16, 17, 31, 32, 33, 64, 300, 2049, 5000, 9, 100, 640, 1000]
 
 
+@pytest.mark.parametrize("row_units", [True, False])
 @pytest.mark.parametrize("heads,kv_heads", [(9, 3), (8, 2), (12, 2), (16, 4), (7, 1)])
-def test_tiled_decode_of_many_rows(ext, two_threads, heads, kv_heads):
-    check_tiled_decode(ext, MANY_ROWS, heads, kv_heads)
+def test_tiled_decode_of_many_rows(ext, two_threads, heads, kv_heads, row_units):
+    check_tiled_decode(ext, MANY_ROWS, heads, kv_heads, row_units)
 
 
-def test_tiled_rows_give_the_same_bits_alone_and_in_a_batch(ext, two_threads):
-    """Batch invariance across the two item shapes: a row alone is a few (row, kv head)
-    items, among many rows one row unit; each score and sum runs in the same order."""
+@pytest.mark.parametrize("row_units", [True, False])
+def test_tiled_rows_give_the_same_bits_alone_and_in_a_batch(ext, two_threads, row_units):
+    """Batch invariance across the item shapes: a row alone is a few (row, kv head) items,
+    among many rows one row unit where asked; each score and sum runs in the same order."""
     gen = torch.Generator().manual_seed(11)
     lengths = [1 + (i * 617) % 5000 for i in range(40)]
     caches = tiled_rows(lengths, gen)
@@ -152,14 +155,30 @@ def test_tiled_rows_give_the_same_bits_alone_and_in_a_batch(ext, two_threads):
     v_new = random_bf16(len(lengths), KV_HEADS, DIM, gen=gen)
     pos = torch.tensor([n - 1 for n in lengths])
     batch = ext.decode_attention(q, k_new, v_new, [c.clone() for c in caches], pos, 1,
-                                 DIM ** -0.5, True)
+                                 DIM ** -0.5, True, row_units)
     for b in (0, 7, 13, 39):
         alone = ext.decode_attention(q[b:b + 1], k_new[b:b + 1], v_new[b:b + 1],
-                                     [caches[b].clone()], pos[b:b + 1], 1, DIM ** -0.5, True)
+                                     [caches[b].clone()], pos[b:b + 1], 1, DIM ** -0.5, True,
+                                     row_units)
         assert torch.equal(alone[0].view(torch.int16), batch[b].view(torch.int16)), b
 
 
-def check_tiled_decode(ext, lengths: list[int], heads: int, kv_heads: int) -> None:
+def test_row_units_give_the_same_bits_as_per_head_items(ext, two_threads):
+    """Row units only change the order the kernel reads a row's planes in, not any sum."""
+    gen = torch.Generator().manual_seed(12)
+    lengths = [1 + (i * 389) % 3000 for i in range(24)]
+    caches = tiled_rows(lengths, gen)
+    q = (torch.randn(len(lengths), HEADS, DIM, generator=gen) * 2).to(torch.bfloat16)
+    k_new = random_bf16(len(lengths), KV_HEADS, DIM, gen=gen)
+    v_new = random_bf16(len(lengths), KV_HEADS, DIM, gen=gen)
+    pos = torch.tensor([n - 1 for n in lengths])
+    out = [ext.decode_attention(q, k_new, v_new, [c.clone() for c in caches], pos, 1,
+                                DIM ** -0.5, True, units) for units in (True, False)]
+    assert torch.equal(out[0].view(torch.int16), out[1].view(torch.int16))
+
+
+def check_tiled_decode(ext, lengths: list[int], heads: int, kv_heads: int,
+                       row_units: bool = False) -> None:
     gen = torch.Generator().manual_seed(len(lengths) + heads)
     caches = tiled_rows(lengths, gen, kv_heads)
     expect_caches = [c.clone() for c in caches]
@@ -168,7 +187,7 @@ def check_tiled_decode(ext, lengths: list[int], heads: int, kv_heads: int) -> No
     k_new = random_bf16(rows, kv_heads, DIM, gen=gen)
     v_new = random_bf16(rows, kv_heads, DIM, gen=gen)
     pos = torch.tensor([n - 1 for n in lengths])
-    out = ext.decode_attention(q, k_new, v_new, caches, pos, 1, DIM ** -0.5, True)
+    out = ext.decode_attention(q, k_new, v_new, caches, pos, 1, DIM ** -0.5, True, row_units)
     expect = decode_attention_reference(q, k_new, v_new, expect_caches, pos, 1, DIM ** -0.5,
                                         tiled=True)
     # bf16 output rounding plus the bf16 rounding of q.k's probabilities (as in prefill)

@@ -73,6 +73,8 @@ class Kernels:
         # The AVX-512 linear and prefill kernels: vdpbf16ps, or its AVX-512F equivalent.
         self.avx512 = ext is not None and path in ("avx512_bf16", "avx512")
         self.avx2 = ext is not None and path == "avx2"
+        # Row units are the dot-product decode kernel's read order where they read faster.
+        self.row_units = ext is not None and path == "avx512_bf16" and isa.decode_row_units()
 
     def __repr__(self) -> str:
         return f"Kernels({self.path!r})"
@@ -165,7 +167,7 @@ class Kernels:
         reason = self.decode_kernel_rejects(q.shape[-1], q.device.type, caches)
         if reason is None:
             return self.ext.decode_attention(q, k_new, v_new, caches, positions, layer, scale,
-                                             tiled)
+                                             tiled, self.row_units)
         if self.ext is not None:
             _warn_once(f"decode-attention kernel skipped ({reason}); using the reference")
         return reference.decode_attention(q, k_new, v_new, caches, positions, layer, scale,

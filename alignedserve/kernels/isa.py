@@ -44,14 +44,30 @@ _REQUIRED_FLAGS = {"amx": _AVX512_BF16 + ("amx_tile", "amx_bf16"),
 ONEDNN_CEILING = {"avx512_bf16": "AVX512_CORE_BF16", "avx512": "AVX512_CORE", "avx2": "AVX2"}
 
 
-def _cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
+ROW_UNITS_ENV = "ALIGNEDSERVE_DECODE_ROW_UNITS"
+# CPUs on which the avx512_bf16 decode attention reads a call of many rows faster as row
+# units, as (vendor_id, cpu family) from /proc/cpuinfo: AMD family 19h (Zen 4)
+# (docs/results/2026-12-05-zen4-decode-row-units.md). On family 1Ah (Zen 5) per-head items
+# read faster (docs/results/2026-12-05-zen5-first-measurements.md).
+_ROW_UNIT_CPUS = frozenset({("AuthenticAMD", 0x19)})
+
+
+def _cpuinfo_field(name: str) -> str:
+    """The first value of ``name`` in /proc/cpuinfo ("" where there is none)."""
     try:
         with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-            line = next((ln for ln in f if ln.startswith("flags")), "")
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == name:
+                    return value.strip()
     except OSError:
-        return frozenset()
-    return frozenset(line.partition(":")[2].split())
+        pass
+    return ""
+
+
+def _cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
+    return frozenset(_cpuinfo_field("flags").split())
 
 
 @functools.lru_cache(maxsize=1)
@@ -89,3 +105,24 @@ def check_path(name: str) -> None:
     if name not in cpu_paths():
         raise ValueError(f"kernel path {name!r} needs CPU features this machine lacks: "
                          f"{', '.join(missing_flags(name))}")
+
+
+@functools.lru_cache(maxsize=1)
+def decode_row_units() -> bool:
+    """Whether the avx512_bf16 decode attention takes calls of many rows as row units (every
+    kv head of a row in one work item, read side by side) rather than per-head items.
+
+    Both give the same bits; which reads KV faster depends on the CPU's prefetchers, so it is
+    chosen per CPU as measured (``_ROW_UNIT_CPUS``); CPUs not measured keep per-head items,
+    the kernel's plain form. ``ALIGNEDSERVE_DECODE_ROW_UNITS=1`` or ``0`` forces either, to
+    test or compare them on any machine."""
+    forced = os.environ.get(ROW_UNITS_ENV, "").strip()
+    if forced in ("0", "1"):
+        return forced == "1"
+    if forced:
+        raise ValueError(f"{ROW_UNITS_ENV} must be 0 or 1, not {forced!r}")
+    try:
+        family = int(_cpuinfo_field("cpu family"))
+    except ValueError:
+        return False
+    return (_cpuinfo_field("vendor_id"), family) in _ROW_UNIT_CPUS

@@ -14,7 +14,8 @@
 //   tiled = true: bf16 caches in the tile layout of alignedserve/kernels/kv_layout.py
 //   (capacity % 16 == 0, head_dim 64), read with AMX tiles, AVX512-BF16 dot products or, on
 //   AVX2, fp32 FMA (further down); q is rounded to bf16, and for the bf16 products so are the
-//   probabilities.
+//   probabilities. row_units = true: the dot-product kernel may take a call of many rows as
+//   row units (below); the result is the same either way, only the read order differs.
 //
 // Work decomposition: one work item is (row, kv head, token span). All query heads of a GQA
 // group are handled by the same item so each K/V row is read from memory once. Items are
@@ -22,10 +23,10 @@
 // lengths in a batch can differ by 50x and a static split would leave a core idle. Rows longer
 // than kSpan are cut into fixed spans whose partial softmax states are merged at the end, in
 // span order (the split-K "flash decoding" combine). Where a row is cut depends on its own
-// length only, so its result does not depend on the batch (batch invariance). The AVX512-BF16
-// dot-product kernel takes a call of many rows as row units instead: every kv head of one
-// (row, span) in one item, its planes read side by side ("Row units" below); each result is
-// the same sum in the same order either way.
+// length only, so its result does not depend on the batch (batch invariance). Where the
+// caller asks (`row_units`), the AVX512-BF16 dot-product kernel takes a call of many rows as
+// row units instead: every kv head of one (row, span) in one item, its planes read side by
+// side ("Row units" below); each result is the same sum in the same order either way.
 //
 // Inside an item: pass 1 computes the scores of all heads of the group (16 tokens per score
 // vector), pass 2 takes the softmax over the span's score buffer (small: it stays in L1/L2),
@@ -1255,7 +1256,8 @@ void dp_values(const uint16_t* v, int64_t n, int64_t padded, int64_t group, Tile
 // block b of kv head 0, 1, 2, then block b + 1 of each, and its value pass V tiles the same
 // way, so a row's K planes (then its V planes) advance together as one region. On Zen 4 that
 // read faster when memory had bandwidth to spare and no slower when it had none; turns of 2 or
-// 4 blocks per head read slower (docs/results/2026-12-05-zen4-decode-row-units.md).
+// 4 blocks per head read slower (docs/results/2026-12-05-zen4-decode-row-units.md). On Zen 5
+// per-head items read faster, so the caller chooses per CPU (isa.decode_row_units).
 // Every score and every accumulator sums the same terms in the same order as dp_scores and
 // dp_values, so the outputs are bit-identical to the per-head items'. Calls of few rows keep
 // per-head items: a unit per row would leave threads idle.
@@ -1310,11 +1312,11 @@ void dp_unit_values(const uint16_t* const* v, int64_t kv, int64_t n, int64_t pad
   }
 }
 
-// Whether a call runs as row units: the dot-product kernel, a GQA group whose accumulators fit
-// the value pass's registers, every head's softmax state in the scratch, and enough rows that
-// units (one per row) still spread over the threads.
-inline bool units_apply(const Problem& P, int64_t rows) {
-  return P.group <= kUnitMaxGroup && P.group * P.kv_heads <= kTiledMaxHeads &&
+// Whether a call runs as row units: asked for, the dot-product kernel, a GQA group whose
+// accumulators fit the value pass's registers, every head's softmax state in the scratch, and
+// enough rows that units (one per row) still spread over the threads.
+inline bool units_apply(const Problem& P, int64_t rows, bool row_units) {
+  return row_units && P.group <= kUnitMaxGroup && P.group * P.kv_heads <= kTiledMaxHeads &&
          rows >= kUnitMinRowsPerThread * at::get_num_threads();
 }
 
@@ -1704,7 +1706,7 @@ void check_cache(const at::Tensor& c, at::ScalarType dtype, int64_t kv_heads, in
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_new,
                             const at::Tensor& v_new, const std::vector<at::Tensor>& caches,
                             const at::Tensor& positions, int64_t layer, double scale,
-                            bool tiled) {
+                            bool tiled, bool row_units) {
   check_shapes(q, k_new, v_new, caches.size(), positions);
   const int64_t rows = q.size(0), heads = q.size(1), kv_heads = k_new.size(1), dim = q.size(2);
   if (rows == 0) return at::empty_like(q);
@@ -1775,7 +1777,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_new,
 #if defined(__AVX512BF16__)
     if (amx::available()) {
       run_items_tiled<true>(P, plan);
-    } else if (units_apply(P, rows)) {
+    } else if (units_apply(P, rows, row_units)) {
       run_units(P, plan);
     } else {
       run_items_tiled<false>(P, plan);
@@ -1803,7 +1805,8 @@ void register_attention(pybind11::module_& m) {
         "Write the new K/V of every row into its cache, then attend q over positions 0..pos.",
         pybind11::arg("q"), pybind11::arg("k_new"), pybind11::arg("v_new"),
         pybind11::arg("caches"), pybind11::arg("positions"), pybind11::arg("layer"),
-        pybind11::arg("scale"), pybind11::arg("tiled") = false);
+        pybind11::arg("scale"), pybind11::arg("tiled") = false,
+        pybind11::arg("row_units") = false);
   m.def("write_tiled", &write_tiled, kReleaseGil,
         "Store k, v [T, kv_heads, head_dim] at positions start.. of a tiled bf16 cache's layer.",
         pybind11::arg("cache"), pybind11::arg("layer"), pybind11::arg("k"), pybind11::arg("v"),
