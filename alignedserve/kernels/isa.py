@@ -46,7 +46,8 @@ ONEDNN_CEILING = {"avx512_bf16": "AVX512_CORE_BF16", "avx512": "AVX512_CORE", "a
 
 ROW_UNITS_ENV = "ALIGNEDSERVE_DECODE_ROW_UNITS"
 # CPUs on which the avx512_bf16 decode attention reads a call of many rows faster as row
-# units, as (vendor_id, cpu family) from /proc/cpuinfo: AMD family 19h (Zen 4)
+# units, as (vendor_id, cpu family) from /proc/cpuinfo: AMD family 19h (Zen 4; its Zen 3
+# parts have no AVX-512)
 # (docs/results/2026-12-05-zen4-decode-row-units.md). On family 1Ah (Zen 5) per-head items
 # read faster (docs/results/2026-12-05-zen5-first-measurements.md).
 _ROW_UNIT_CPUS = frozenset({("AuthenticAMD", 0x19)})
