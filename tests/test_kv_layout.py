@@ -147,13 +147,8 @@ def test_tiled_decode_of_many_rows(ext, two_threads, heads, kv_heads, row_units)
 def test_tiled_rows_give_the_same_bits_alone_and_in_a_batch(ext, two_threads, row_units):
     """Batch invariance across the item shapes: a row alone is a few (row, kv head) items,
     among many rows one row unit where asked; each score and sum runs in the same order."""
-    gen = torch.Generator().manual_seed(11)
-    lengths = [1 + (i * 617) % 5000 for i in range(40)]
-    caches = tiled_rows(lengths, gen)
-    q = (torch.randn(len(lengths), HEADS, DIM, generator=gen) * 2).to(torch.bfloat16)
-    k_new = random_bf16(len(lengths), KV_HEADS, DIM, gen=gen)
-    v_new = random_bf16(len(lengths), KV_HEADS, DIM, gen=gen)
-    pos = torch.tensor([n - 1 for n in lengths])
+    caches, q, k_new, v_new, pos = decode_inputs([1 + (i * 617) % 5000 for i in range(40)],
+                                                 torch.Generator().manual_seed(11))
     batch = ext.decode_attention(q, k_new, v_new, [c.clone() for c in caches], pos, 1,
                                  DIM ** -0.5, True, row_units)
     for b in (0, 7, 13, 39):
@@ -165,28 +160,29 @@ def test_tiled_rows_give_the_same_bits_alone_and_in_a_batch(ext, two_threads, ro
 
 def test_row_units_give_the_same_bits_as_per_head_items(ext, two_threads):
     """Row units only change the order the kernel reads a row's planes in, not any sum."""
-    gen = torch.Generator().manual_seed(12)
-    lengths = [1 + (i * 389) % 3000 for i in range(24)]
-    caches = tiled_rows(lengths, gen)
-    q = (torch.randn(len(lengths), HEADS, DIM, generator=gen) * 2).to(torch.bfloat16)
-    k_new = random_bf16(len(lengths), KV_HEADS, DIM, gen=gen)
-    v_new = random_bf16(len(lengths), KV_HEADS, DIM, gen=gen)
-    pos = torch.tensor([n - 1 for n in lengths])
+    caches, q, k_new, v_new, pos = decode_inputs([1 + (i * 389) % 3000 for i in range(24)],
+                                                 torch.Generator().manual_seed(12))
     out = [ext.decode_attention(q, k_new, v_new, [c.clone() for c in caches], pos, 1,
                                 DIM ** -0.5, True, units) for units in (True, False)]
     assert torch.equal(out[0].view(torch.int16), out[1].view(torch.int16))
 
 
+def decode_inputs(lengths: list[int], gen: torch.Generator, heads: int = HEADS,
+                  kv_heads: int = KV_HEADS) -> tuple:
+    """Tiled bf16 rows of ``lengths`` tokens and one decode step's inputs for them:
+    (caches, q, k_new, v_new, pos), each row's new token at its last position."""
+    caches = tiled_rows(lengths, gen, kv_heads)
+    q = (torch.randn(len(lengths), heads, DIM, generator=gen) * 2).to(torch.bfloat16)
+    k_new = random_bf16(len(lengths), kv_heads, DIM, gen=gen)
+    v_new = random_bf16(len(lengths), kv_heads, DIM, gen=gen)
+    return caches, q, k_new, v_new, torch.tensor([n - 1 for n in lengths])
+
+
 def check_tiled_decode(ext, lengths: list[int], heads: int, kv_heads: int,
                        row_units: bool = False) -> None:
-    gen = torch.Generator().manual_seed(len(lengths) + heads)
-    caches = tiled_rows(lengths, gen, kv_heads)
+    caches, q, k_new, v_new, pos = decode_inputs(
+        lengths, torch.Generator().manual_seed(len(lengths) + heads), heads, kv_heads)
     expect_caches = [c.clone() for c in caches]
-    rows = len(lengths)
-    q = (torch.randn(rows, heads, DIM, generator=gen) * 2).to(torch.bfloat16)
-    k_new = random_bf16(rows, kv_heads, DIM, gen=gen)
-    v_new = random_bf16(rows, kv_heads, DIM, gen=gen)
-    pos = torch.tensor([n - 1 for n in lengths])
     out = ext.decode_attention(q, k_new, v_new, caches, pos, 1, DIM ** -0.5, True, row_units)
     expect = decode_attention_reference(q, k_new, v_new, expect_caches, pos, 1, DIM ** -0.5,
                                         tiled=True)
