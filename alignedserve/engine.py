@@ -129,8 +129,9 @@ class LLMEngine:
             for d in tier_devices.values())
         pool = KVPool(tier_devices, mc.num_layers, mc.num_kv_heads, mc.head_dim, self.kv_dtype,
                       tiled)
+        order = self.kernels.decode_read_order()
         log.info("kernels: %s path%s; KV cache: %s, %s layout", self.kernels.path,
-                 " (decode attention in row units)" if self.kernels.row_units else "",
+                 f" (decode attention: {order})" if order else "",
                  str(self.kv_dtype).removeprefix("torch."), "tiled" if tiled else "token-major")
         if cache.preallocate_kv:
             self._preallocate(store, pool, tier_devices)

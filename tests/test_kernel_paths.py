@@ -70,6 +70,32 @@ def test_decode_row_units_follow_the_cpu(monkeypatch, vendor, family, units):
         isa.decode_row_units.cache_clear()
 
 
+@pytest.mark.parametrize("vendor,family,distance", [
+    ("AuthenticAMD", "26", 8192),    # Zen 5 (family 1Ah): the read-ahead measured faster
+    ("AuthenticAMD", "25", 0),       # Zen 4: software requests measured slower
+    ("GenuineIntel", "6", 0),        # not measured: the hardware prefetchers alone
+    ("", "", 0),                     # no /proc/cpuinfo
+])
+def test_decode_read_ahead_follows_the_cpu(monkeypatch, vendor, family, distance):
+    fields = {"vendor_id": vendor, "cpu family": family}
+    monkeypatch.setattr(isa, "_cpuinfo_field", lambda name: fields.get(name, ""))
+    monkeypatch.delenv(isa.READ_AHEAD_ENV, raising=False)
+    isa.decode_read_ahead.cache_clear()
+    try:
+        assert isa.decode_read_ahead() == distance
+        for forced in ("0", "4096"):
+            monkeypatch.setenv(isa.READ_AHEAD_ENV, forced)
+            isa.decode_read_ahead.cache_clear()
+            assert isa.decode_read_ahead() == int(forced)
+        for bad in ("-64", "8k", "yes"):
+            monkeypatch.setenv(isa.READ_AHEAD_ENV, bad)
+            isa.decode_read_ahead.cache_clear()
+            with pytest.raises(ValueError, match="bytes"):
+                isa.decode_read_ahead()
+    finally:
+        isa.decode_read_ahead.cache_clear()
+
+
 def test_default_is_the_best_path(monkeypatch):
     monkeypatch.delenv(isa.ENV_VAR, raising=False)
     monkeypatch.delenv("ALIGNEDSERVE_NO_KERNELS", raising=False)

@@ -130,41 +130,53 @@ def two_threads():
     torch.set_num_threads(threads)
 
 
-# A call of many rows asked to run as row units does so on the dot-product kernel (every kv
-# head of a row in one work item); elsewhere, and not asked, as per-head items. Odd,
-# partial-block and split rows through both, for GQA groups units take (up to 6 heads, 16
-# heads per row) and one they leave to per-head items (7).
+# How the dot-product kernel may read (the other kernels take and ignore the same arguments):
+# per-head items; a call of many rows as row units (every kv head of a row in one work item);
+# per-head items keeping a distance requested ahead of their reads.
+READ_ORDERS = {"items": {}, "row units": {"row_units": True}, "read ahead": {"read_ahead": 8192}}
+
+# Odd, partial-block and split rows through each read order, for GQA groups units take (up to
+# 6 heads, 16 heads per row) and one they leave to per-head items (7).
 MANY_ROWS = [1, 2, 15, 16, 17, 31, 32, 33, 64, 300, 2049, 5000, 9, 100, 640, 1000]
 
 
-@pytest.mark.parametrize("row_units", [True, False])
+@pytest.mark.parametrize("order", READ_ORDERS)
 @pytest.mark.parametrize("heads,kv_heads", [(9, 3), (8, 2), (12, 2), (16, 4), (7, 1)])
-def test_tiled_decode_of_many_rows(ext, two_threads, heads, kv_heads, row_units):
-    check_tiled_decode(ext, MANY_ROWS, heads, kv_heads, row_units)
+def test_tiled_decode_of_many_rows(ext, two_threads, heads, kv_heads, order):
+    check_tiled_decode(ext, MANY_ROWS, heads, kv_heads, **READ_ORDERS[order])
 
 
-@pytest.mark.parametrize("row_units", [True, False])
-def test_tiled_rows_give_the_same_bits_alone_and_in_a_batch(ext, two_threads, row_units):
+@pytest.mark.parametrize("order", READ_ORDERS)
+def test_tiled_rows_give_the_same_bits_alone_and_in_a_batch(ext, two_threads, order):
     """Batch invariance across the item shapes: a row alone is a few (row, kv head) items,
     among many rows one row unit where asked; each score and sum runs in the same order."""
     caches, q, k_new, v_new, pos = decode_inputs([1 + (i * 617) % 5000 for i in range(40)],
                                                  torch.Generator().manual_seed(11))
     batch = ext.decode_attention(q, k_new, v_new, [c.clone() for c in caches], pos, 1,
-                                 DIM ** -0.5, True, row_units)
+                                 DIM ** -0.5, True, **READ_ORDERS[order])
     for b in (0, 7, 13, 39):
         alone = ext.decode_attention(q[b:b + 1], k_new[b:b + 1], v_new[b:b + 1],
                                      [caches[b].clone()], pos[b:b + 1], 1, DIM ** -0.5, True,
-                                     row_units)
+                                     **READ_ORDERS[order])
         assert torch.equal(alone[0].view(torch.int16), batch[b].view(torch.int16)), b
 
 
-def test_row_units_give_the_same_bits_as_per_head_items(ext, two_threads):
-    """Row units only change the order the kernel reads a row's planes in, not any sum."""
+def test_read_orders_give_the_same_bits(ext, two_threads):
+    """Row units and read-ahead distances (under a line, the usual one, past every row) only
+    change how the kernel reads, not any sum."""
     caches, q, k_new, v_new, pos = decode_inputs([1 + (i * 389) % 3000 for i in range(24)],
                                                  torch.Generator().manual_seed(12))
+    orders = [*READ_ORDERS.values(), {"read_ahead": 1}, {"read_ahead": 1 << 30}]
     out = [ext.decode_attention(q, k_new, v_new, [c.clone() for c in caches], pos, 1,
-                                DIM ** -0.5, True, units) for units in (True, False)]
-    assert torch.equal(out[0].view(torch.int16), out[1].view(torch.int16))
+                                DIM ** -0.5, True, **order) for order in orders]
+    for other, order in zip(out[1:], orders[1:]):
+        assert torch.equal(out[0].view(torch.int16), other.view(torch.int16)), order
+
+
+def test_negative_read_ahead_is_refused(ext):
+    caches, q, k_new, v_new, pos = decode_inputs([40], torch.Generator().manual_seed(13))
+    with pytest.raises(ValueError, match="read_ahead"):
+        ext.decode_attention(q, k_new, v_new, caches, pos, 1, DIM ** -0.5, True, False, -1)
 
 
 def decode_inputs(lengths: list[int], gen: torch.Generator, heads: int = HEADS,
@@ -179,11 +191,11 @@ def decode_inputs(lengths: list[int], gen: torch.Generator, heads: int = HEADS,
 
 
 def check_tiled_decode(ext, lengths: list[int], heads: int, kv_heads: int,
-                       row_units: bool = False) -> None:
+                       **read_order: int) -> None:
     caches, q, k_new, v_new, pos = decode_inputs(
         lengths, torch.Generator().manual_seed(len(lengths) + heads), heads, kv_heads)
     expect_caches = [c.clone() for c in caches]
-    out = ext.decode_attention(q, k_new, v_new, caches, pos, 1, DIM ** -0.5, True, row_units)
+    out = ext.decode_attention(q, k_new, v_new, caches, pos, 1, DIM ** -0.5, True, **read_order)
     expect = decode_attention_reference(q, k_new, v_new, expect_caches, pos, 1, DIM ** -0.5,
                                         tiled=True)
     # bf16 output rounding plus the bf16 rounding of q.k's probabilities (as in prefill)

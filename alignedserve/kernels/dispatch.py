@@ -75,9 +75,20 @@ class Kernels:
         self.avx2 = ext is not None and path == "avx2"
         # Row units are the dot-product decode kernel's read order where they read faster.
         self.row_units = ext is not None and path == "avx512_bf16" and isa.decode_row_units()
+        # Bytes its per-head items keep requested ahead of their reads, where that is faster.
+        self.read_ahead = isa.decode_read_ahead() if ext is not None and path == "avx512_bf16" \
+            else 0
 
     def __repr__(self) -> str:
         return f"Kernels({self.path!r})"
+
+    def decode_read_order(self) -> str:
+        """How the decode attention reads KV where that is chosen per CPU ("" elsewhere), for
+        the start-up log."""
+        notes = ["row units"] if self.row_units else []
+        if self.read_ahead:
+            notes.append(f"{self.read_ahead} bytes read ahead")
+        return ", ".join(notes)
 
     def enter_thread(self) -> None:
         """Make this thread's first parallel loop in the compiled build now.
@@ -167,7 +178,7 @@ class Kernels:
         reason = self.decode_kernel_rejects(q.shape[-1], q.device.type, caches)
         if reason is None:
             return self.ext.decode_attention(q, k_new, v_new, caches, positions, layer, scale,
-                                             tiled, self.row_units)
+                                             tiled, self.row_units, self.read_ahead)
         if self.ext is not None:
             _warn_once(f"decode-attention kernel skipped ({reason}); using the reference")
         return reference.decode_attention(q, k_new, v_new, caches, positions, layer, scale,

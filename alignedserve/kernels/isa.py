@@ -52,6 +52,13 @@ ROW_UNITS_ENV = "ALIGNEDSERVE_DECODE_ROW_UNITS"
 # read faster (docs/results/2026-12-05-zen5-first-measurements.md).
 _ROW_UNIT_CPUS = frozenset({("AuthenticAMD", 0x19)})
 
+READ_AHEAD_ENV = "ALIGNEDSERVE_DECODE_READ_AHEAD"
+# Bytes the avx512_bf16 decode attention's per-head items keep requested ahead of their reads,
+# per CPU as (vendor_id, cpu family): on family 1Ah (Zen 5) that read faster than the hardware
+# prefetchers alone (docs/results/2026-12-05-zen5-decode-read-ahead.md). On Zen 4 every
+# software request pattern tried read slower; other CPUs are not measured: 0 (none).
+_READ_AHEAD_BYTES = {("AuthenticAMD", 0x1A): 8192}
+
 
 def _cpuinfo_field(name: str) -> str:
     """The first value of ``name`` in /proc/cpuinfo ("" where there is none)."""
@@ -122,8 +129,28 @@ def decode_row_units() -> bool:
         return forced == "1"
     if forced:
         raise ValueError(f"{ROW_UNITS_ENV} must be 0 or 1, not {forced!r}")
+    return _cpu_kind() in _ROW_UNIT_CPUS
+
+
+@functools.lru_cache(maxsize=1)
+def decode_read_ahead() -> int:
+    """Bytes the avx512_bf16 decode attention's per-head items keep requested ahead of their
+    reads (0: none, the hardware prefetchers alone).
+
+    The bits are the same either way; whether requests beat the hardware prefetchers depends
+    on the CPU, so it is chosen per CPU as measured (``_READ_AHEAD_BYTES``).
+    ``ALIGNEDSERVE_DECODE_READ_AHEAD=<bytes>`` forces a distance (0 turns it off)."""
+    forced = os.environ.get(READ_AHEAD_ENV, "").strip()
+    if forced:
+        if not forced.isdigit():
+            raise ValueError(f"{READ_AHEAD_ENV} must be a number of bytes >= 0, not {forced!r}")
+        return int(forced)
+    return _READ_AHEAD_BYTES.get(_cpu_kind(), 0)
+
+
+def _cpu_kind() -> tuple[str, int] | None:
+    """(vendor_id, cpu family) from /proc/cpuinfo, or None where it does not say."""
     try:
-        family = int(_cpuinfo_field("cpu family"))
+        return _cpuinfo_field("vendor_id"), int(_cpuinfo_field("cpu family"))
     except ValueError:
-        return False
-    return (_cpuinfo_field("vendor_id"), family) in _ROW_UNIT_CPUS
+        return None

@@ -15,7 +15,9 @@
 //   (capacity % 16 == 0, head_dim 64), read with AMX tiles, AVX512-BF16 dot products or, on
 //   AVX2, fp32 FMA (further down); q is rounded to bf16, and for the bf16 products so are the
 //   probabilities. row_units = true: the dot-product kernel may take a call of many rows as
-//   row units (below); the result is the same either way, only the read order differs.
+//   row units (below); read_ahead > 0: its per-head items request that many bytes ahead of
+//   their reads ("Software prefetch"). The result is the same either way; only how the kernel
+//   reads differs.
 //
 // Work decomposition: one work item is (row, kv head, token span). All query heads of a GQA
 // group are handled by the same item so each K/V row is read from memory once. Items are
@@ -42,8 +44,8 @@
 // FMA ports. Prefetching a few lines ahead inside a stream measured no gain over the hardware
 // prefetchers; requesting the next item's rows, and for bf16 this item's V during its score
 // pass, does help the token-major, FMA and AMX kernels (see "Software prefetch" below). The
-// AVX512-BF16 dot-product kernel requests nothing: it reads each span's K and V in ascending
-// order and leaves both streams to the hardware prefetchers. An AMX version of both products
+// AVX512-BF16 dot-product kernel reads each span's K and V in ascending order; where the caller
+// asks, it keeps a fixed distance requested ahead of that read. An AMX version of both products
 // (scores as K . Q^T tiles, P.V on bf16 P) was tried and was no faster cold: tile stores,
 // gathers out of token-major score tiles and building V's pair layout per block cost what the
 // FMAs did.
@@ -426,6 +428,7 @@ struct Problem {
   uint16_t* out_bf16;            // the same in bf16 (rounded to nearest even, as torch does)
   float* part_acc;               // [slots, group, dim], unnormalised P.V of one span
   float* part_ml;                // [slots, 2, group]: max score (log2) and sum of 2^(s - max)
+  int64_t read_ahead = 0;        // dot-product kernel: bytes requested ahead of its reads
 };
 
 // Element `index` of the normalised output, in whichever dtype the call returns.
@@ -501,11 +504,16 @@ inline void to_block_layout(const float* src, int64_t rows, int64_t dim, float s
 //     the P.V pass reads V from L2 (faster, measured with benchmarks/attention_micro.py);
 //   * with fp8 caches, the next item's V instead (fp8 is compute-bound, not bandwidth-bound:
 //     there prefetching the current V measured slower, the next item's rows faster).
-// The dot-product kernel asks for nothing. On Zen 4, with its K blocks read one after another,
+// The dot-product kernel takes no ranges. On Zen 4, with its K blocks read one after another,
 // the hardware prefetchers alone fed it faster than any requested pattern when the memory had
 // bandwidth to spare, and no slower when it had none; likely because a software request holds
 // one of the core's few L1 miss buffers until its line arrives and the L2 prefetcher's requests
-// do not (docs/results/2026-12-05-zen4-decode-attention-hardware-prefetch.md).
+// do not (docs/results/2026-12-05-zen4-decode-attention-hardware-prefetch.md). On Zen 5 the
+// opposite held for one pattern, a read-ahead: one line requested per line read, a fixed
+// distance (8 KiB) ahead, through the item's K, its V and on into the next item's K, so no
+// stream starts cold. It read faster than the hardware prefetchers alone
+// (docs/results/2026-12-05-zen5-decode-read-ahead.md), so the caller asks for it per CPU
+// (`read_ahead`, isa.decode_read_ahead).
 // ----------------------------------------------------------------------------------------------
 
 constexpr int64_t kLine = 64;
@@ -536,6 +544,38 @@ struct Prefetcher {
   }
   inline void step() {
     for (int i = 0; i < count; ++i) ranges[i].step();
+  }
+};
+
+// A cursor a fixed distance ahead of a thread's reads (the dot-product kernel's read-ahead):
+// the regions it reads one after another (an item's K, its V, the next item's K) as one
+// stream; step() requests the cursor's line into L1 and moves it one line on, so a kernel that
+// steps once per line it reads keeps `distance` bytes requested ahead of itself, across the
+// regions' ends too. Requests past the last region are dropped.
+struct ReadAhead {
+  std::array<const char*, 3> start{};
+  std::array<int64_t, 3> bytes{};
+  int count = 0, at = 0;  // regions added; the region the cursor is in
+  int64_t off = 0;        // the cursor's offset in region `at`
+
+  void add(const void* p, int64_t n) {
+    if (n <= 0) return;
+    start[count] = static_cast<const char*>(p);
+    bytes[count++] = n;
+  }
+  // Puts the cursor `distance` bytes past the start of the first region (no requests: the
+  // reads up to there are the hardware prefetchers', or an earlier item's requests).
+  void begin(int64_t distance) {
+    off = distance;
+    while (at < count && off >= bytes[at]) off -= bytes[at++];
+  }
+  inline void step() {
+    if (at >= count) return;
+    __builtin_prefetch(start[at] + off, 0, 3);
+    if ((off += kLine) >= bytes[at]) {
+      off = 0;
+      ++at;
+    }
   }
 };
 
@@ -937,12 +977,13 @@ constexpr int64_t kPairBlock = 32;  // tokens per P.V round (a tile's pair depth
 constexpr int64_t kTiledMaxHeads = 16;
 
 // One thread's share of a tiled call: it pulls the next-longest item until none are left (as
-// run_items), and hands `run(item, scores_pf, values_pf)` two prefetchers, each measured faster
-// on huge-page caches (alternating runs, docs/results/): the item's own V during its score
-// blocks (as for token-major bf16), the next item's whole K during its value rounds of
-// kPairBlock tokens; each paced in `slices` requests per score block or value round. (On 4 KiB
-// pages, asking for the next K, or for the next round's lines into L1, had measured no gain.)
-// slices == 0 hands two empty prefetchers (the dot-product kernel, see "Software prefetch").
+// run_items), and hands `run(item, next, scores_pf, values_pf)` its next item (or null) and
+// two prefetchers, each measured faster on huge-page caches (alternating runs, docs/results/):
+// the item's own V during its score blocks (as for token-major bf16), the next item's whole K
+// during its value rounds of kPairBlock tokens; each paced in `slices` requests per score
+// block or value round. (On 4 KiB pages, asking for the next K, or for the next round's lines
+// into L1, had measured no gain.) slices == 0 hands two empty prefetchers (the dot-product
+// kernel, which has its own read-ahead: see "Software prefetch").
 template <typename RunItem>
 void pull_tiled_items(const Problem& P, const Plan& plan, std::atomic<int64_t>& next,
                       int64_t slices, RunItem&& run) {
@@ -957,7 +998,7 @@ void pull_tiled_items(const Problem& P, const Plan& plan, std::atomic<int64_t>& 
       values_pf.add(item_rows<uint16_t>(P, nx).first, (nx.end - nx.begin) * kTiledDim * 2,
                     (it.end - it.begin + kPairBlock - 1) / kPairBlock * slices);
     }
-    run(it, scores_pf, values_pf);
+    run(it, following < n_items ? &plan.items[following] : nullptr, scores_pf, values_pf);
     i = following;
   }
 }
@@ -1147,15 +1188,17 @@ inline __m512bh as_pairs(__m512i x) { return reinterpret_cast<__m512bh>(x); }
 // stream for the hardware prefetchers: reading row j of all NB blocks in turn (NB streams
 // 2 KiB apart) measured slower cold on Zen 4 (see "Software prefetch"). Each (block, head)
 // sum is its own dependency chain either way, so consecutive blocks' products still overlap.
+// `ahead` (if any) steps once per row read.
 template <int NH, int NB>
 inline void dp_score_blocks(const uint32_t* q, const uint16_t* kb, float* scores,
-                            int64_t padded) {
+                            int64_t padded, ReadAhead* ahead = nullptr) {
   __m512 acc[NB][NH];
   for (auto& block : acc) {
     for (__m512& a : block) a = _mm512_setzero_ps();
   }
   for (int b = 0; b < NB; ++b) {
     for (int j = 0; j < kTiledDim / 2; ++j) {
+      if (ahead) ahead->step();
       // Row j of block b: the block's 16 tokens' values of dim pair j (32 bf16).
       const __m512bh keys =
           as_pairs(_mm512_loadu_si512(kb + b * kKeyBlock * kTiledDim + j * 2 * kKeyBlock));
@@ -1174,9 +1217,10 @@ inline void dp_score_blocks(const uint32_t* q, const uint16_t* kb, float* scores
 // to 8; the K of later chunks comes from L1/L2. Up to four heads take four blocks at a time,
 // more take two: each (block, head) product is its own dependency chain, and with a GQA group
 // of 3 two blocks gave only six, too few to cover the product's latency (four blocks measured
-// faster on Zen 4 with the same bits: docs/results/2026-12-04-zen4-score-chains.md).
+// faster on Zen 4 with the same bits: docs/results/2026-12-04-zen4-score-chains.md). `ahead`
+// (if any) steps once per line the first chunk reads; later chunks' K is cached.
 void dp_scores(const uint16_t* q, const uint16_t* k, int64_t n, int64_t padded, int64_t group,
-               TiledScratch& s) {
+               TiledScratch& s, ReadAhead* ahead) {
   const auto* qw = reinterpret_cast<const uint32_t*>(q);
   const int64_t blocks = (n + kKeyBlock - 1) / kKeyBlock;
   constexpr int kMaxHeads = 8;
@@ -1186,17 +1230,21 @@ void dp_scores(const uint16_t* q, const uint16_t* k, int64_t n, int64_t padded, 
       constexpr int NH = decltype(heads)::value;
       const uint32_t* qh = qw + h0 * kTiledDim / 2;
       float* out = s.scores + h0 * padded;
+      ReadAhead* ra = h0 == 0 ? ahead : nullptr;
       int64_t b = 0;
       // A partial last block is read in place, as on the AMX path (see tiled_scores).
       constexpr int NB = NH <= 4 ? 4 : 2;  // at most 16 accumulators live
       for (; b + NB - 1 < blocks; b += NB) {
-        dp_score_blocks<NH, NB>(qh, k + b * kKeyBlock * kTiledDim, out + b * kKeyBlock, padded);
+        dp_score_blocks<NH, NB>(qh, k + b * kKeyBlock * kTiledDim, out + b * kKeyBlock, padded,
+                                 ra);
       }
       for (; b + 1 < blocks; b += 2) {
-        dp_score_blocks<NH, 2>(qh, k + b * kKeyBlock * kTiledDim, out + b * kKeyBlock, padded);
+        dp_score_blocks<NH, 2>(qh, k + b * kKeyBlock * kTiledDim, out + b * kKeyBlock, padded,
+                                 ra);
       }
       if (b < blocks) {
-        dp_score_blocks<NH, 1>(qh, k + b * kKeyBlock * kTiledDim, out + b * kKeyBlock, padded);
+        dp_score_blocks<NH, 1>(qh, k + b * kKeyBlock * kTiledDim, out + b * kKeyBlock, padded,
+                                 ra);
       }
     });
   }
@@ -1219,8 +1267,9 @@ inline void dp_value_pair(const uint32_t* p, int64_t p_stride, const uint16_t* v
 
 // Pass 3 with dot products: s.acc[h][d] = sum_t p[h][t] v[t][d] over the span's (n + 1) / 2
 // token pairs, read in ascending order. Heads go in chunks of up to 6 (24 accumulators in
-// registers).
-void dp_values(const uint16_t* v, int64_t n, int64_t padded, int64_t group, TiledScratch& s) {
+// registers). As in dp_scores, `ahead` steps once per line the first chunk reads.
+void dp_values(const uint16_t* v, int64_t n, int64_t padded, int64_t group, TiledScratch& s,
+               ReadAhead* ahead) {
   const auto* probs = reinterpret_cast<const uint32_t*>(s.probs);  // pairs of bf16
   const int64_t pairs = n / 2, p_stride = padded / 2;
   constexpr int kMaxHeads = 6;
@@ -1229,11 +1278,15 @@ void dp_values(const uint16_t* v, int64_t n, int64_t padded, int64_t group, Tile
     with_head_count<kMaxHeads>(nh, [&](auto heads) {
       constexpr int NH = decltype(heads)::value;
       const uint32_t* p = probs + h0 * p_stride;
+      ReadAhead* ra = h0 == 0 ? ahead : nullptr;
       __m512 acc[NH][4];
       for (auto& head : acc) {
         for (__m512& a : head) a = _mm512_setzero_ps();
       }
       for (int64_t i = 0; i < pairs; ++i) {
+        if (ra) {
+          for (int line = 0; line < 4; ++line) ra->step();  // a V pair is four lines
+        }
         dp_value_pair<NH>(p + i, p_stride, v + i * 2 * kTiledDim, ~__mmask32{0}, acc);
       }
       if (n % 2) {  // the last token alone: keep the even (first-token) halves of its pair
@@ -1355,12 +1408,13 @@ void run_units(const Problem& P, const Plan& plan) {
   });
 }
 
-// One item. With AMX the score pass asks for the item's own V (`scores_pf`), the value pass
-// for the thread's next item's K (`values_pf`), so a pass rarely starts on a cold stream; the
-// dot-product passes ask for nothing (see "Software prefetch") and get empty prefetchers.
+// One item; `next` is the thread's next item, or null. With AMX the score pass asks for the
+// item's own V (`scores_pf`), the value pass for the next item's K (`values_pf`), so a pass
+// rarely starts on a cold stream; the dot-product passes get empty prefetchers and keep
+// P.read_ahead bytes requested ahead of their reads, if any (see "Software prefetch").
 template <bool kAmx>
-void run_item_tiled(const Problem& P, const Item& it, TiledScratch& s, Prefetcher& scores_pf,
-                    Prefetcher& values_pf) {
+void run_item_tiled(const Problem& P, const Item& it, const Item* next, TiledScratch& s,
+                    Prefetcher& scores_pf, Prefetcher& values_pf) {
   const int64_t n = it.end - it.begin;
   const int64_t padded = (n + kPairBlock - 1) / kPairBlock * kPairBlock;
   append_if_last<true>(P, it);
@@ -1377,9 +1431,16 @@ void run_item_tiled(const Problem& P, const Item& it, TiledScratch& s, Prefetche
     return;
   }
 #endif
-  dp_scores(q, k, n, padded, P.group, s);
+  ReadAhead ahead;  // K blocks, then V pairs, then the next item's K blocks: bytes read
+  ahead.add(k, (n + kKeyBlock - 1) / kKeyBlock * kKeyBlock * kTiledDim * 2);
+  ahead.add(v, (n + 1) / 2 * 2 * kTiledDim * 2);
+  if (next) ahead.add(item_rows<uint16_t>(P, *next).first, kKeyBlock * kTiledDim * 2 *
+                      ((next->end - next->begin + kKeyBlock - 1) / kKeyBlock));
+  ReadAhead* pf = P.read_ahead > 0 ? &ahead : nullptr;
+  if (pf) pf->begin(P.read_ahead);
+  dp_scores(q, k, n, padded, P.group, s, pf);
   tiled_softmax(P.group, n, padded, P.qscale, s);
-  dp_values(v, n, padded, P.group, s);
+  dp_values(v, n, padded, P.group, s, pf);
   finish_item(P, it, s.acc, s.mx, s.sum);
 }
 
@@ -1393,8 +1454,9 @@ void run_items_tiled(const Problem& P, const Plan& plan) {
 #endif
     TiledScratch scratch(P.group, plan.max_span);
     pull_tiled_items(P, plan, next, kAmx ? 1 : 0,
-                     [&](const Item& it, Prefetcher& scores_pf, Prefetcher& values_pf) {
-      run_item_tiled<kAmx>(P, it, scratch, scores_pf, values_pf);
+                     [&](const Item& it, const Item* nx, Prefetcher& scores_pf,
+                         Prefetcher& values_pf) {
+      run_item_tiled<kAmx>(P, it, nx, scratch, scores_pf, values_pf);
     });
 #ifdef ALIGNEDSERVE_AMX
     if constexpr (kAmx) _tile_release();
@@ -1549,7 +1611,8 @@ void run_items_tiled_fma(const Problem& P, const Plan& plan) {
   std::atomic<int64_t> next{0};
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     Scratch scratch(P.group, kTiledDim, plan.max_span);
-    pull_tiled_items(P, plan, next, kPrefetchSlices, [&](const Item& it, Prefetcher& scores_pf,
+    pull_tiled_items(P, plan, next, kPrefetchSlices, [&](const Item& it, const Item*,
+                                                         Prefetcher& scores_pf,
                                                          Prefetcher& values_pf) {
       run_item_tiled_fma(P, it, scratch, scores_pf, values_pf);
     });
@@ -1706,7 +1769,7 @@ void check_cache(const at::Tensor& c, at::ScalarType dtype, int64_t kv_heads, in
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_new,
                             const at::Tensor& v_new, const std::vector<at::Tensor>& caches,
                             const at::Tensor& positions, int64_t layer, double scale,
-                            bool tiled, bool row_units) {
+                            bool tiled, bool row_units, int64_t read_ahead) {
   check_shapes(q, k_new, v_new, caches.size(), positions);
   const int64_t rows = q.size(0), heads = q.size(1), kv_heads = k_new.size(1), dim = q.size(2);
   if (rows == 0) return at::empty_like(q);
@@ -1719,6 +1782,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_new,
                            heads / kv_heads <= kTiledMaxHeads,
                        "tiled caches are bf16 with head_dim 64, at most 16 heads per kv head");
   }
+  ALIGNEDSERVE_CHECK(read_ahead >= 0, "read_ahead must be >= 0, got ", read_ahead);
 
   const at::Tensor pos = positions.to(at::kLong).contiguous();
   // Tiled: the tile products take q in bf16 (exact when the model runs in bf16). Row views of
@@ -1772,6 +1836,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_new,
   P.out_bf16 = bf16_out ? reinterpret_cast<uint16_t*>(out.data_ptr()) : nullptr;
   P.part_acc = part_acc.data_ptr<float>();
   P.part_ml = part_ml.data_ptr<float>();
+  P.read_ahead = read_ahead;
 
   if (tiled) {
 #if defined(__AVX512BF16__)
@@ -1806,7 +1871,7 @@ void register_attention(pybind11::module_& m) {
         pybind11::arg("q"), pybind11::arg("k_new"), pybind11::arg("v_new"),
         pybind11::arg("caches"), pybind11::arg("positions"), pybind11::arg("layer"),
         pybind11::arg("scale"), pybind11::arg("tiled") = false,
-        pybind11::arg("row_units") = false);
+        pybind11::arg("row_units") = false, pybind11::arg("read_ahead") = 0);
   m.def("write_tiled", &write_tiled, kReleaseGil,
         "Store k, v [T, kv_heads, head_dim] at positions start.. of a tiled bf16 cache's layer.",
         pybind11::arg("cache"), pybind11::arg("layer"), pybind11::arg("k"), pybind11::arg("v"),
