@@ -11,6 +11,7 @@ engine allocates them). hot: 8 rows of ``--hot-length`` tokens (1,000: ~6 MB in 
     python benchmarks/attention_micro.py --huge-pages-ab [--length 640]
     python benchmarks/attention_micro.py --layout-ab [--length 640]
     python benchmarks/attention_micro.py --read-share [--rounds 4]
+    python benchmarks/attention_micro.py --read-ahead-ab [BYTES ...] [--rounds 4]
 
 --huge-pages-ab times 30 layers over 64 bf16 tiled rows of one length with the caches on huge
 pages (alignedserve.huge_pages, as the engine allocates them) and on torch's 4 KiB pages,
@@ -19,12 +20,16 @@ path's tiled and token-major bf16 kernels the same way, over the same huge-page 
 bytes are the same; only how the kernel reads them differs). --read-share measures the cold
 bf16 tiled calls (huge pages) and ``roofline.py``'s plain read rates (4 KiB and huge pages)
 in turns, in one process, and prints each round's shares: the issue's "decode attention reads
-KV at >= 80% of the read rate", with both sides measured in the same minute.
+KV at >= 80% of the read rate", with both sides measured in the same minute. --read-ahead-ab
+times the same cold calls with the dot-product kernel's read-ahead at each distance given
+(default 0 and 8192 bytes; avx512_bf16 path), in turns, with the huge-page read before each
+round, and prints each distance's median rate relative to the first.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import functools
 import math
 import random
@@ -95,7 +100,10 @@ def main() -> None:
     parser.add_argument("--length", type=int, default=640, help="tokens per row (A/B only)")
     parser.add_argument("--read-share", action="store_true",
                         help="cold bf16 tiled calls against the plain read rate, in turns")
-    parser.add_argument("--rounds", type=int, default=4, help="rounds of --read-share")
+    parser.add_argument("--read-ahead-ab", nargs="*", type=int, metavar="BYTES",
+                        help="read-ahead distances alternated (default: 0 8192)")
+    parser.add_argument("--rounds", type=int, default=4,
+                        help="rounds of --read-share or --read-ahead-ab")
     parser.add_argument("--huge-pages", action="store_true",
                         help="cold caches on huge pages (alignedserve.huge_pages)")
     parser.add_argument("--hot-length", type=int, default=1000, help="tokens per hot row")
@@ -113,6 +121,9 @@ def main() -> None:
     varied = [int(math.exp(rng.uniform(math.log(64), math.log(3072)))) + 128 for _ in range(64)]
     if args.read_share:
         read_share(kernels, varied, args.rounds)
+        return
+    if args.read_ahead_ab is not None:
+        read_ahead_ab(kernels, varied, args.read_ahead_ab or [0, 8192], args.rounds)
         return
     if args.huge_pages:
         require_huge_pages()
@@ -172,6 +183,37 @@ def read_share(kernels, lengths: list[int], rounds: int) -> None:
         print(f"round {r}: decode attention {rate / 1e9:.1f} GB/s; " + "; ".join(
             f"read on {kind} {read / 1e9:.1f} GB/s, share {rate / read:.3f}"
             for kind, read in reads.items()))
+
+
+def read_ahead_ab(kernels, lengths: list[int], distances: list[int], rounds: int) -> None:
+    """Cold tiled bf16 calls (as --read-share) with each read-ahead distance in turns, the
+    huge-page read measured before each round."""
+    from roofline import read_rates
+
+    require_huge_pages()
+    if kernels.path != "avx512_bf16":
+        raise SystemExit("the read-ahead is the avx512_bf16 path's (dot-product kernel)")
+    variants = {}
+    for distance in distances:
+        variant = copy.copy(kernels)  # a private copy: the shared instance stays as chosen
+        variant.read_ahead = distance
+        variants[distance] = variant
+    caches = make_caches(torch.bfloat16, lengths, LAYERS, HugePageArena())
+    nbytes = kv_bytes(lengths, torch.bfloat16)
+    rates: dict[int, list[float]] = {d: [] for d in distances}
+    for r in range(rounds):
+        read = read_rates()["huge pages"]
+        for d in (distances if r % 2 else distances[::-1]):
+            rates[d].append(nbytes / run(variants[d], torch.bfloat16, lengths, LAYERS, 3,
+                                         True, caches))
+        print(f"round {r}: read {read / 1e9:.1f} GB/s; " + "; ".join(
+            f"read-ahead {d}: {rates[d][-1] / 1e9:.1f} GB/s" for d in distances))
+    first = rates[distances[0]]
+    for d in distances:
+        ratios = sorted(x / y for x, y in zip(rates[d], first))
+        print(f"read-ahead {d}: median {sorted(rates[d])[rounds // 2] / 1e9:.1f} GB/s, "
+              f"median ratio to {distances[0]}: {ratios[rounds // 2]:.3f} "
+              f"({ratios[0]:.3f}-{ratios[-1]:.3f})")
 
 
 def layout_ab(kernels, length: int, rounds: int = 20) -> None:

@@ -21,11 +21,15 @@
 //   rows                  one item = a whole slot (row unit): tile t of K of kv head 0, 1, 2,
 //                         then tile t + 1, ..., then its V planes the same way, demand loads;
 //   rows-regions          the same reads over a layout whose slot keeps K of all kv heads in
-//                         one run of 3 L bytes, then V (a kv-head-inner cache layout).
+//                         one run of 3 L bytes, then V (a kv-head-inner cache layout);
+//   items-ahead           items-demand's reads, each line's read preceded by a request
+//                         (prefetcht0) for the line AHEAD bytes further on through the item's
+//                         K, its V and the next item's K (the decode kernel's read-ahead).
 // Slots are separate rows' caches, so `rows*` take them shuffled. C = L (e.g. `80 80`) shows
 // the same reads with no unused capacity between planes.
 //
-//   g++ -O2 -march=native -pthread -DWORK=4 benchmarks/item_streams.cpp -o /tmp/item_streams
+//   g++ -O2 -march=native -pthread -DWORK=4 [-DAHEAD=8192] benchmarks/item_streams.cpp \
+//       -o /tmp/item_streams
 //   /tmp/item_streams MODE [L_KIB C_KIB]     (default 80 96: a 640-token row's head, bf16)
 #include <algorithm>
 #include <cstdio>
@@ -39,6 +43,10 @@
 #endif
 
 #include "stream_probe.h"
+
+#ifndef AHEAD
+#define AHEAD 8192
+#endif
 
 namespace {
 
@@ -90,6 +98,19 @@ float read_items(const std::string& mode, const char* base, const Layout& lay,
     }
     const char *k = lay.k(base, it), *v = lay.v(base, it);
     const char* next_k = i + 1 < order.size() ? lay.k(base, order[i + 1]) : nullptr;
+    if (mode == "items-ahead") {
+      // Byte `o` of the item's stream: K, then V, then the next item's K.
+      auto at = [&](size_t o) -> const char* {
+        if (o < lay.L) return k + o;
+        if (o < 2 * lay.L || !next_k) return v + std::min(o - lay.L, lay.L - kLine);
+        return next_k + std::min(o - 2 * lay.L, lay.L - kLine);
+      };
+      for (size_t o = 0; o < 2 * lay.L; o += kLine) {
+        _mm_prefetch(at(o + AHEAD), _MM_HINT_T0);
+        acc.line(at(o));
+      }
+      continue;
+    }
     if (lockstep) {
       for (size_t t = 0; t + 4 <= tiles; t += 4) {
         if (pf) for (size_t u = 0; u < 4; ++u) request(v + (t + u) * kTile);
@@ -126,7 +147,7 @@ int main(int argc, char** argv) {
   const std::string mode = argv[1];
   const std::vector<std::string> modes = {"stream", "items-prefetch", "items-demand",
                                           "items-lockstep", "items-lockstep-prefetch",
-                                          "interleaved", "rows", "rows-regions"};
+                                          "interleaved", "rows", "rows-regions", "items-ahead"};
   if (std::find(modes.begin(), modes.end(), mode) == modes.end()) {
     std::fprintf(stderr, "unknown mode %s\n", mode.c_str());
     return 2;
