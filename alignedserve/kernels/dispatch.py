@@ -76,8 +76,8 @@ class Kernels:
         # Row units are the dot-product decode kernel's read order where they read faster.
         self.row_units = ext is not None and path == "avx512_bf16" and isa.decode_row_units()
         # Bytes its per-head items keep requested ahead of their reads, where that is faster.
-        self.read_ahead = isa.decode_read_ahead() if ext is not None and path == "avx512_bf16" \
-            else 0
+        self.read_ahead = (isa.decode_read_ahead()
+                           if ext is not None and path == "avx512_bf16" else 0)
 
     def __repr__(self) -> str:
         return f"Kernels({self.path!r})"
