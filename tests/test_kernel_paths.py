@@ -87,7 +87,7 @@ def test_decode_read_ahead_follows_the_cpu(monkeypatch, vendor, family, distance
             monkeypatch.setenv(isa.READ_AHEAD_ENV, forced)
             isa.decode_read_ahead.cache_clear()
             assert isa.decode_read_ahead() == int(forced)
-        for bad in ("-64", "8k", "yes"):
+        for bad in ("-64", "8k", "yes", str(1 << 40)):
             monkeypatch.setenv(isa.READ_AHEAD_ENV, bad)
             isa.decode_read_ahead.cache_clear()
             with pytest.raises(ValueError, match="bytes"):

@@ -58,6 +58,7 @@ READ_AHEAD_ENV = "ALIGNEDSERVE_DECODE_READ_AHEAD"
 # prefetchers alone (docs/results/2026-12-05-zen5-decode-read-ahead.md). On Zen 4 every
 # software request pattern tried read slower; other CPUs are not measured: 0 (none).
 _READ_AHEAD_BYTES = {("AuthenticAMD", 0x1A): 8192}
+_MAX_READ_AHEAD = 1 << 30  # past any span's reads: no requests at all
 
 
 def _cpuinfo_field(name: str) -> str:
@@ -142,8 +143,9 @@ def decode_read_ahead() -> int:
     ``ALIGNEDSERVE_DECODE_READ_AHEAD=<bytes>`` forces a distance (0 turns it off)."""
     forced = os.environ.get(READ_AHEAD_ENV, "").strip()
     if forced:
-        if not forced.isdigit():
-            raise ValueError(f"{READ_AHEAD_ENV} must be a number of bytes >= 0, not {forced!r}")
+        if not (forced.isdigit() and int(forced) <= _MAX_READ_AHEAD):
+            raise ValueError(f"{READ_AHEAD_ENV} must be a number of bytes from 0 to "
+                             f"{_MAX_READ_AHEAD}, not {forced!r}")
         return int(forced)
     return _READ_AHEAD_BYTES.get(_cpu_kind(), 0)
 
