@@ -45,6 +45,27 @@ def test_paths_follow_the_cpu_flags(monkeypatch, flags, best):
         cpu_paths.cache_clear()
 
 
+def per_cpu_choice(monkeypatch, choice, env_var: str, vendor: str, family: str):
+    """``choice`` (one of isa's cached per-CPU choices) on a CPU whose /proc/cpuinfo names
+    ``vendor`` and ``family``, as a function of its override ``env_var`` (None: unset). The
+    cache is cleared around every call, so each reads its inputs afresh and none outlives it."""
+    fields = {"vendor_id": vendor, "cpu family": family}
+    monkeypatch.setattr(isa, "_cpuinfo_field", lambda name: fields.get(name, ""))
+
+    def read(forced: str | None = None):
+        if forced is None:
+            monkeypatch.delenv(env_var, raising=False)
+        else:
+            monkeypatch.setenv(env_var, forced)
+        choice.cache_clear()
+        try:
+            return choice()
+        finally:
+            choice.cache_clear()
+
+    return read
+
+
 @pytest.mark.parametrize("vendor,family,units", [
     ("AuthenticAMD", "25", True),    # Zen 4 (family 19h): row units measured faster
     ("AuthenticAMD", "26", False),   # Zen 5 (family 1Ah): per-head items measured faster
@@ -52,22 +73,12 @@ def test_paths_follow_the_cpu_flags(monkeypatch, flags, best):
     ("", "", False),                 # no /proc/cpuinfo
 ])
 def test_decode_row_units_follow_the_cpu(monkeypatch, vendor, family, units):
-    fields = {"vendor_id": vendor, "cpu family": family}
-    monkeypatch.setattr(isa, "_cpuinfo_field", lambda name: fields.get(name, ""))
-    monkeypatch.delenv(isa.ROW_UNITS_ENV, raising=False)
-    isa.decode_row_units.cache_clear()
-    try:
-        assert isa.decode_row_units() is units
-        for forced in ("0", "1"):
-            monkeypatch.setenv(isa.ROW_UNITS_ENV, forced)
-            isa.decode_row_units.cache_clear()
-            assert isa.decode_row_units() is (forced == "1")
-        monkeypatch.setenv(isa.ROW_UNITS_ENV, "yes")
-        isa.decode_row_units.cache_clear()
-        with pytest.raises(ValueError, match="0 or 1"):
-            isa.decode_row_units()
-    finally:
-        isa.decode_row_units.cache_clear()
+    read = per_cpu_choice(monkeypatch, isa.decode_row_units, isa.ROW_UNITS_ENV, vendor, family)
+    assert read() is units
+    for forced in ("0", "1"):
+        assert read(forced) is (forced == "1")
+    with pytest.raises(ValueError, match="0 or 1"):
+        read("yes")
 
 
 @pytest.mark.parametrize("vendor,family,distance", [
@@ -77,23 +88,13 @@ def test_decode_row_units_follow_the_cpu(monkeypatch, vendor, family, units):
     ("", "", 0),                     # no /proc/cpuinfo
 ])
 def test_decode_read_ahead_follows_the_cpu(monkeypatch, vendor, family, distance):
-    fields = {"vendor_id": vendor, "cpu family": family}
-    monkeypatch.setattr(isa, "_cpuinfo_field", lambda name: fields.get(name, ""))
-    monkeypatch.delenv(isa.READ_AHEAD_ENV, raising=False)
-    isa.decode_read_ahead.cache_clear()
-    try:
-        assert isa.decode_read_ahead() == distance
-        for forced in ("0", "4096"):
-            monkeypatch.setenv(isa.READ_AHEAD_ENV, forced)
-            isa.decode_read_ahead.cache_clear()
-            assert isa.decode_read_ahead() == int(forced)
-        for bad in ("-64", "8k", "yes", str(1 << 40)):
-            monkeypatch.setenv(isa.READ_AHEAD_ENV, bad)
-            isa.decode_read_ahead.cache_clear()
-            with pytest.raises(ValueError, match="bytes"):
-                isa.decode_read_ahead()
-    finally:
-        isa.decode_read_ahead.cache_clear()
+    read = per_cpu_choice(monkeypatch, isa.decode_read_ahead, isa.READ_AHEAD_ENV, vendor, family)
+    assert read() == distance
+    for forced in ("0", "4096"):
+        assert read(forced) == int(forced)
+    for bad in ("-64", "8k", "yes", str(1 << 40)):
+        with pytest.raises(ValueError, match="bytes"):
+            read(bad)
 
 
 def test_default_is_the_best_path(monkeypatch):

@@ -64,6 +64,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <string>
 #include <tuple>
 #include <type_traits>
@@ -1408,6 +1409,21 @@ void run_units(const Problem& P, const Plan& plan) {
   });
 }
 
+// The dot-product passes' read-ahead for item `it`, P.read_ahead bytes in: over the bytes they
+// read (its K blocks, then its V pairs), then the K blocks of the thread's next item, if any.
+ReadAhead read_ahead_over(const Problem& P, const Item& it, const Item* next) {
+  const auto key_bytes = [](const Item& item) {
+    return (item.end - item.begin + kKeyBlock - 1) / kKeyBlock * kKeyBlock * kTiledDim * 2;
+  };
+  const auto [k, v] = item_rows<uint16_t>(P, it);
+  ReadAhead ahead;
+  ahead.add(k, key_bytes(it));
+  ahead.add(v, (it.end - it.begin + 1) / 2 * 2 * kTiledDim * 2);
+  if (next) ahead.add(item_rows<uint16_t>(P, *next).first, key_bytes(*next));
+  ahead.begin(P.read_ahead);
+  return ahead;
+}
+
 // One item; `next` is the thread's next item, or null. With AMX the score pass asks for the
 // item's own V (`scores_pf`), the value pass for the next item's K (`values_pf`), so a pass
 // rarely starts on a cold stream; the dot-product passes get empty prefetchers and keep
@@ -1431,13 +1447,9 @@ void run_item_tiled(const Problem& P, const Item& it, const Item* next, TiledScr
     return;
   }
 #endif
-  ReadAhead ahead;  // K blocks, then V pairs, then the next item's K blocks: bytes read
-  ahead.add(k, (n + kKeyBlock - 1) / kKeyBlock * kKeyBlock * kTiledDim * 2);
-  ahead.add(v, (n + 1) / 2 * 2 * kTiledDim * 2);
-  if (next) ahead.add(item_rows<uint16_t>(P, *next).first, kKeyBlock * kTiledDim * 2 *
-                      ((next->end - next->begin + kKeyBlock - 1) / kKeyBlock));
-  ReadAhead* pf = P.read_ahead > 0 ? &ahead : nullptr;
-  if (pf) pf->begin(P.read_ahead);
+  std::optional<ReadAhead> ahead;
+  if (P.read_ahead > 0) ahead = read_ahead_over(P, it, next);
+  ReadAhead* pf = ahead ? &*ahead : nullptr;
   dp_scores(q, k, n, padded, P.group, s, pf);
   tiled_softmax(P.group, n, padded, P.qscale, s);
   dp_values(v, n, padded, P.group, s, pf);
