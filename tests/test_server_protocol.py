@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from alignedserve.entrypoints.engine_client import Admission
-from alignedserve.entrypoints.openai_format import DeltaTracker
+from alignedserve.entrypoints.openai_format import DeltaTracker, sse
 from alignedserve.entrypoints.openai_prepare import ModelInfo, sampling_params
 from alignedserve.entrypoints.openai_protocol import ChatCompletionRequest, CompletionRequest
 from alignedserve.outputs import CompletionOutput
@@ -668,3 +668,14 @@ def test_async_engine_builds_and_steps_on_one_thread():
         raise ValueError("no such model")
     with pytest.raises(ValueError, match="no such model"):
         AsyncEngine(broken)
+
+
+def test_an_event_stays_one_line_whatever_the_text_holds():
+    """Generated text may hold characters that str.splitlines (and httpx's aiter_lines) treat
+    as line ends; each event must still be one `data:` line that decodes to the same JSON."""
+    text = "a\x85b\u2028c\u2029d\x0be\x1cf\ng\r"
+    payload = CompletionRequest(model="m", prompt=text).model_dump_json()
+    event = sse(payload)
+    lines = event.splitlines()
+    assert lines == [lines[0], ""] and lines[0].startswith("data: ")
+    assert json.loads(lines[0][6:])["prompt"] == text

@@ -37,8 +37,16 @@ SSE_DONE = "data: [DONE]\n\n"
 _MIN_LOGPROB = -9999.0
 
 
+# Line ends to str.splitlines, and so to httpx's line iterators, that JSON leaves unescaped
+# inside strings (it escapes every other one, being control characters). A generated token
+# holding one would cut its event in two for such clients; escaped, it is the same JSON.
+_LINE_ENDS_IN_JSON = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028",
+                                    "\u2029": "\\u2029"})
+
+
 def sse(payload: str) -> str:
-    return f"data: {payload}\n\n"
+    """One server-sent event of the JSON ``payload``, on a single line for any client."""
+    return f"data: {payload.translate(_LINE_ENDS_IN_JSON)}\n\n"
 
 
 async def sse_frames(chunks: AsyncIterator[str], run: EngineRun,
