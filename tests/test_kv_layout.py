@@ -179,6 +179,48 @@ def test_negative_read_ahead_is_refused(ext):
         ext.decode_attention(q, k_new, v_new, caches, pos, 1, DIM ** -0.5, True, False, -1)
 
 
+def test_rows_prepared_once_serve_every_layer(tiled_kernels: Kernels, two_threads):
+    """Kernels.decode_rows + decode_attention_over (the engine's per-step form) give every
+    layer the bits and cache writes of one decode_attention call per layer."""
+    caches, q, k_new, v_new, pos = decode_inputs([1 + (i * 211) % 2500 for i in range(20)],
+                                                 torch.Generator().manual_seed(14))
+    per_call = [c.clone() for c in caches]
+    rows = tiled_kernels.decode_rows(caches, pos, tiled=True)
+    assert rows.compiled is not None
+    for layer in range(LAYERS):
+        got = tiled_kernels.decode_attention_over(q, k_new, v_new, rows, layer, DIM ** -0.5)
+        want = tiled_kernels.decode_attention(q, k_new, v_new, per_call, pos, layer,
+                                              DIM ** -0.5, True)
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16)), layer
+    for got, want in zip(caches, per_call):
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+def test_prepared_rows_check_their_inputs(ext):
+    caches, q, k_new, v_new, pos = decode_inputs([40, 7], torch.Generator().manual_seed(15))
+    with pytest.raises(ValueError, match="outside capacity"):
+        ext.DecodeRows(caches, torch.tensor([39, 4000]), True)
+    with pytest.raises(ValueError, match="one position per row"):
+        ext.DecodeRows(caches, pos[:1], True)
+    rows = ext.DecodeRows(caches, pos, True)
+    with pytest.raises(ValueError, match="layer 2 out of range"):
+        ext.decode_attention_rows(q, k_new, v_new, rows, LAYERS, DIM ** -0.5)
+    with pytest.raises(ValueError, match="one cache and one position per row"):
+        ext.decode_attention_rows(q[:1], k_new[:1], v_new[:1], rows, 0, DIM ** -0.5)
+
+
+def test_the_reference_takes_prepared_rows_too():
+    kernels = kernels_for_path("reference")
+    caches, q, k_new, v_new, pos = decode_inputs([5, 33], torch.Generator().manual_seed(16))
+    expect_caches = [c.clone() for c in caches]
+    rows = kernels.decode_rows(caches, pos, tiled=True)
+    assert rows.compiled is None
+    got = kernels.decode_attention_over(q, k_new, v_new, rows, 1, DIM ** -0.5)
+    want = decode_attention_reference(q, k_new, v_new, expect_caches, pos, 1, DIM ** -0.5,
+                                      tiled=True)
+    assert torch.equal(got, want)
+
+
 def decode_inputs(lengths: list[int], gen: torch.Generator, heads: int = HEADS,
                   kv_heads: int = KV_HEADS) -> tuple:
     """Tiled bf16 rows of ``lengths`` tokens and one decode step's inputs for them:

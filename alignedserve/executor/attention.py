@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from alignedserve.kernels import Kernels, kv_layout, reference
+from alignedserve.kernels.dispatch import DecodeRows
 
 
 @dataclass(slots=True)
@@ -38,6 +39,8 @@ class StepAttention:
         self.decode_caches = decode_caches
         self.decode_positions = decode_positions
         self.scale = scale
+        # The decode rows in the kernel's form, prepared at the first layer for all of them.
+        self._decode_rows: DecodeRows | None = None
         # Decided at the first layer (q's dtype is known there): whether the path's prefill
         # kernel takes the chunks, else SDPA's mask per chunk (None: plain causal), built once
         # for all layers.
@@ -46,9 +49,7 @@ class StepAttention:
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if not self.prefills:  # a decode-only step: the kernel's output is the whole answer
-            return self.kernels.decode_attention(q, k, v, self.decode_caches,
-                                                 self.decode_positions, layer, self.scale,
-                                                 self.tiled)
+            return self._decode(layer, q, k, v)
         if self._use_kernel is None:
             self._use_kernel = self.kernels.prefill_kernel_applies(q)
             if not self._use_kernel:
@@ -62,10 +63,15 @@ class StepAttention:
             out[offset:end] = self._prefill(i, layer, q[offset:end], k[offset:end], v[offset:end])
             offset = end
         if self.decode_caches:
-            out[offset:] = self.kernels.decode_attention(
-                q[offset:], k[offset:], v[offset:], self.decode_caches, self.decode_positions,
-                layer, self.scale, self.tiled)
+            out[offset:] = self._decode(layer, q[offset:], k[offset:], v[offset:])
         return out
+
+    def _decode(self, layer: int, q: torch.Tensor, k: torch.Tensor,
+                v: torch.Tensor) -> torch.Tensor:
+        if self._decode_rows is None:
+            self._decode_rows = self.kernels.decode_rows(self.decode_caches,
+                                                         self.decode_positions, self.tiled)
+        return self.kernels.decode_attention_over(q, k, v, self._decode_rows, layer, self.scale)
 
     def _prefill(self, i: int, layer: int, q: torch.Tensor, k: torch.Tensor,
                  v: torch.Tensor) -> torch.Tensor:

@@ -42,6 +42,7 @@ import functools
 import logging
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from types import ModuleType
 
 import torch
@@ -56,6 +57,19 @@ log = logging.getLogger(__name__)
 _DECODE_DTYPES = (torch.bfloat16, torch.float32, torch.float8_e5m2)
 _MAX_HEAD_DIM = 256
 _BF16 = torch.bfloat16
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeRows:
+    """A step's decode rows (``Kernels.decode_rows``): the caches and positions that every
+    layer's `Kernels.decode_attention_over` attends over, and, where the compiled kernel takes
+    them, its own form of them (``compiled``): the rows checked and their work planned once
+    for all layers, so a layer's call does not revisit every row's tensors."""
+
+    caches: list[Tensor]
+    positions: Tensor
+    tiled: bool
+    compiled: object | None  # the extension's DecodeRows; None where the reference runs
 
 
 class Kernels:
@@ -183,6 +197,26 @@ class Kernels:
             _warn_once(f"decode-attention kernel skipped ({reason}); using the reference")
         return reference.decode_attention(q, k_new, v_new, caches, positions, layer, scale,
                                           tiled)
+
+    def decode_rows(self, caches: list[Tensor], positions: Tensor,
+                    tiled: bool = False) -> DecodeRows:
+        """The decode rows of one step (``caches[b]`` takes its new K/V at ``positions[b]``),
+        for `decode_attention_over`. Bad caches or positions raise ValueError here, from the
+        compiled kernel's checks, or at the first layer's call on the reference."""
+        compiled = None
+        if caches and self.decode_kernel_rejects(caches[0].shape[-1], caches[0].device.type,
+                                                 caches) is None:
+            compiled = self.ext.DecodeRows(caches, positions, tiled)
+        return DecodeRows(caches, positions, tiled, compiled)
+
+    def decode_attention_over(self, q: Tensor, k_new: Tensor, v_new: Tensor, rows: DecodeRows,
+                              layer: int, scale: float) -> Tensor:
+        """`decode_attention` over ``rows`` (see `decode_rows`): the same results."""
+        if rows.compiled is not None and q.device.type == "cpu":
+            return self.ext.decode_attention_rows(q, k_new, v_new, rows.compiled, layer, scale,
+                                                  self.row_units, self.read_ahead)
+        return self.decode_attention(q, k_new, v_new, rows.caches, rows.positions, layer,
+                                     scale, rows.tiled)
 
     def tiled_kv_applies(self, dtype: torch.dtype, head_dim: int, granularity: int,
                          device: torch.device) -> bool:

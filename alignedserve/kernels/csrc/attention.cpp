@@ -557,7 +557,12 @@ struct ReadAhead {
   std::array<const char*, 3> start{};
   std::array<int64_t, 3> bytes{};
   int count = 0, at = 0;  // regions added; the region the cursor is in
-  int64_t off = 0;        // the cursor's offset in region `at`
+  // The cursor and the end of region `at`: step()'s common case is one compare, so a pass
+  // that keeps its ReadAhead in a local (see dp_scores) holds both in registers. Stepped
+  // through memory, the cursor's bookkeeping had cost more than the requests saved when the
+  // data was cached.
+  const char* cur = nullptr;
+  const char* end = nullptr;
 
   void add(const void* p, int64_t n) {
     if (n <= 0) return;
@@ -567,16 +572,22 @@ struct ReadAhead {
   // Puts the cursor `distance` bytes past the start of the first region (no requests: the
   // reads up to there are the hardware prefetchers', or an earlier item's requests).
   void begin(int64_t distance) {
-    off = distance;
+    int64_t off = distance;
     while (at < count && off >= bytes[at]) off -= bytes[at++];
+    if (at < count) {
+      cur = start[at] + off;
+      end = start[at] + bytes[at];
+    }
   }
   inline void step() {
-    if (at >= count) return;
-    __builtin_prefetch(start[at] + off, 0, 3);
-    if ((off += kLine) >= bytes[at]) {
-      off = 0;
-      ++at;
+    if (__builtin_expect(cur >= end, 0)) {
+      if (at >= count) return;  // past the last region (cur == end == null from here on)
+      cur = ++at < count ? start[at] : nullptr;
+      end = at < count ? start[at] + bytes[at] : nullptr;
+      if (!cur) return;
     }
+    __builtin_prefetch(cur, 0, 3);
+    cur += kLine;
   }
 };
 
@@ -1231,7 +1242,8 @@ void dp_scores(const uint16_t* q, const uint16_t* k, int64_t n, int64_t padded, 
       constexpr int NH = decltype(heads)::value;
       const uint32_t* qh = qw + h0 * kTiledDim / 2;
       float* out = s.scores + h0 * padded;
-      ReadAhead* ra = h0 == 0 ? ahead : nullptr;
+      ReadAhead local;  // the cursor in registers while the loops step it (see ReadAhead)
+      ReadAhead* ra = h0 == 0 && ahead ? &(local = *ahead) : nullptr;
       int64_t b = 0;
       // A partial last block is read in place, as on the AMX path (see tiled_scores).
       constexpr int NB = NH <= 4 ? 4 : 2;  // at most 16 accumulators live
@@ -1247,6 +1259,7 @@ void dp_scores(const uint16_t* q, const uint16_t* k, int64_t n, int64_t padded, 
         dp_score_blocks<NH, 1>(qh, k + b * kKeyBlock * kTiledDim, out + b * kKeyBlock, padded,
                                  ra);
       }
+      if (ra) *ahead = local;
     });
   }
 }
@@ -1279,7 +1292,8 @@ void dp_values(const uint16_t* v, int64_t n, int64_t padded, int64_t group, Tile
     with_head_count<kMaxHeads>(nh, [&](auto heads) {
       constexpr int NH = decltype(heads)::value;
       const uint32_t* p = probs + h0 * p_stride;
-      ReadAhead* ra = h0 == 0 ? ahead : nullptr;
+      ReadAhead local;  // as in dp_scores
+      ReadAhead* ra = h0 == 0 && ahead ? &(local = *ahead) : nullptr;
       __m512 acc[NH][4];
       for (auto& head : acc) {
         for (__m512& a : head) a = _mm512_setzero_ps();
@@ -1298,6 +1312,7 @@ void dp_values(const uint16_t* v, int64_t n, int64_t padded, int64_t group, Tile
           _mm512_storeu_ps(s.acc + (h0 + h) * kTiledDim + c * kLanes, acc[h][c]);
         }
       }
+      if (ra) *ahead = local;
     });
   }
 }
@@ -1778,17 +1793,71 @@ void check_cache(const at::Tensor& c, at::ScalarType dtype, int64_t kv_heads, in
                      c.size(3));
 }
 
-at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_new,
-                            const at::Tensor& v_new, const std::vector<at::Tensor>& caches,
-                            const at::Tensor& positions, int64_t layer, double scale,
-                            bool tiled, bool row_units, int64_t read_ahead) {
-  check_shapes(q, k_new, v_new, caches.size(), positions);
+// A step's decode rows, checked once for all its layers: each row's cache (held, so the
+// addresses stay valid), where its layer 0 starts, how far apart its layers and kv heads are,
+// its position, and the plan of work items, which depends on the positions only. A call per
+// layer then reads these few arrays instead of every row's tensor and storage objects, which
+// the previous layer's KV stream has pushed out of the caches by then.
+struct DecodeRows {
+  std::vector<at::Tensor> caches;
+  at::Tensor positions;  // int64, contiguous
+  at::ScalarType dtype = at::kBFloat16;
+  bool tiled = false;
+  int64_t kv_heads = 0, dim = 0, elem = 0;
+  int64_t layers = 0;                   // the fewest layers of any row's cache
+  std::vector<char*> base;              // per row: &cache[0, 0, 0, 0, 0]
+  std::vector<int64_t> layer_bytes;     // per row: bytes between layers
+  std::vector<int64_t> v_bytes;         // per row: bytes from a layer's K to its V
+  std::vector<int64_t> hstride;         // per row: elements between kv heads
+  Plan plan;
+
+  DecodeRows(std::vector<at::Tensor> caches_in, const at::Tensor& positions_in, bool tiled_in)
+      : caches(std::move(caches_in)), tiled(tiled_in) {
+    const auto rows = static_cast<int64_t>(caches.size());
+    ALIGNEDSERVE_CHECK(positions_in.numel() == rows && positions_in.device().is_cpu(),
+                       "need one cache and one position per row, on CPU");
+    positions = positions_in.to(at::kLong).contiguous();
+    if (rows == 0) return;
+    const at::Tensor& first = caches[0];
+    dtype = first.scalar_type();
+    ALIGNEDSERVE_CHECK(dtype == at::kBFloat16 || dtype == at::kFloat ||
+                           dtype == at::kFloat8_e5m2,
+                       "caches must be bfloat16, float32 or float8_e5m2");
+    ALIGNEDSERVE_CHECK(first.dim() == 5, "a cache must be [layers, 2, kv_heads, capacity, dim]");
+    kv_heads = first.size(2);
+    dim = first.size(4);
+    elem = static_cast<int64_t>(first.element_size());
+    layers = first.size(0);
+    const int64_t* pos = positions.data_ptr<int64_t>();
+    for (int64_t b = 0; b < rows; ++b) {
+      const at::Tensor& c = caches[b];
+      check_cache(c, dtype, kv_heads, dim, 0, pos[b]);
+      ALIGNEDSERVE_CHECK(!tiled || c.size(3) % 16 == 0, "a tiled cache's capacity must be a "
+                         "multiple of 16, got ", c.size(3));
+      layers = std::min(layers, c.size(0));
+      base.push_back(static_cast<char*>(c.data_ptr()));
+      layer_bytes.push_back(c.stride(0) * elem);
+      v_bytes.push_back(c.stride(1) * elem);
+      hstride.push_back(c.stride(2));
+    }
+    plan = plan_items(pos, rows, kv_heads, kSpan);
+  }
+  int64_t rows() const { return static_cast<int64_t>(caches.size()); }
+};
+
+at::Tensor decode_attention_rows(const at::Tensor& q, const at::Tensor& k_new,
+                                 const at::Tensor& v_new, const DecodeRows& R, int64_t layer,
+                                 double scale, bool row_units, int64_t read_ahead) {
+  check_shapes(q, k_new, v_new, R.caches.size(), R.positions);
   const int64_t rows = q.size(0), heads = q.size(1), kv_heads = k_new.size(1), dim = q.size(2);
   if (rows == 0) return at::empty_like(q);
-  const at::ScalarType dtype = caches[0].scalar_type();
-  ALIGNEDSERVE_CHECK(dtype == at::kBFloat16 || dtype == at::kFloat ||
-                         dtype == at::kFloat8_e5m2,
-                     "caches must be bfloat16, float32 or float8_e5m2");
+  const at::ScalarType dtype = R.dtype;
+  const bool tiled = R.tiled;
+  ALIGNEDSERVE_CHECK(R.kv_heads == kv_heads && R.dim == dim, "cache shape ",
+                     R.caches[0].sizes(), " does not match kv_heads=", kv_heads,
+                     " head_dim=", dim);
+  ALIGNEDSERVE_CHECK(layer >= 0 && layer < R.layers, "layer ", layer, " out of range for ",
+                     R.layers, " layers");
   if (tiled) {
     ALIGNEDSERVE_CHECK(dtype == at::kBFloat16 && dim == 64 && scale > 0 &&
                            heads / kv_heads <= kTiledMaxHeads,
@@ -1796,7 +1865,6 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_new,
   }
   ALIGNEDSERVE_CHECK(read_ahead >= 0, "read_ahead must be >= 0, got ", read_ahead);
 
-  const at::Tensor pos = positions.to(at::kLong).contiguous();
   // Tiled: the tile products take q in bf16 (exact when the model runs in bf16). Row views of
   // a fused qkv projection are read in place (no copies), each row's heads being dense.
   const at::Tensor qf = dense_rows(q.to(tiled ? at::kBFloat16 : at::kFloat));
@@ -1805,7 +1873,6 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_new,
     kn = kn.contiguous();
     vn = vn.contiguous();
   }
-  const auto elem = static_cast<int64_t>(caches[0].element_size());
 
   Problem P;
   P.heads = heads;
@@ -1816,27 +1883,24 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_new,
   P.q = tiled ? nullptr : qf.data_ptr<float>();
   P.q_bf16 = tiled ? reinterpret_cast<const uint16_t*>(qf.data_ptr()) : nullptr;
   P.q_row = qf.stride(0);
-  P.pos = pos.data_ptr<int64_t>();
+  P.pos = R.positions.data_ptr<int64_t>();
   // The new tokens are written inside the parallel region (append_if_last), after every check
   // here has passed: an error leaves the caches untouched.
   P.k_new = static_cast<const char*>(kn.data_ptr());
   P.v_new = static_cast<const char*>(vn.data_ptr());
   P.new_row = kn.stride(0);
-  P.elem = elem;
+  P.elem = R.elem;
+  P.k_base.resize(rows);
+  P.v_base.resize(rows);
   for (int64_t b = 0; b < rows; ++b) {
-    const at::Tensor& c = caches[b];
-    check_cache(c, dtype, kv_heads, dim, layer, P.pos[b]);
-    ALIGNEDSERVE_CHECK(!tiled || c.size(3) % 16 == 0, "a tiled cache's capacity must be a "
-                       "multiple of 16, got ", c.size(3));
-    char* base = static_cast<char*>(c.data_ptr()) + layer * c.stride(0) * elem;
-    P.k_base.push_back(base);
-    P.v_base.push_back(base + c.stride(1) * elem);
-    P.hstride.push_back(c.stride(2));
+    P.k_base[b] = R.base[b] + layer * R.layer_bytes[b];
+    P.v_base[b] = P.k_base[b] + R.v_bytes[b];
   }
+  P.hstride = R.hstride;
   // A row's spans depend on its own length only, and every item's arithmetic on its span only,
   // so a row's output is the same whatever other rows share the call and however many threads
   // run it (batch invariance); the longest-first order only decides which thread runs what.
-  const Plan plan = plan_items(P.pos, rows, kv_heads, kSpan);
+  const Plan& plan = R.plan;
   const auto f32 = qf.options().dtype(at::kFloat);
   // bf16 (the model's dtype) is written directly; other dtypes are converted from fp32.
   const bool bf16_out = q.scalar_type() == at::kBFloat16;
@@ -1849,7 +1913,6 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_new,
   P.part_acc = part_acc.data_ptr<float>();
   P.part_ml = part_ml.data_ptr<float>();
   P.read_ahead = read_ahead;
-
   if (tiled) {
 #if defined(__AVX512BF16__)
     if (amx::available()) {
@@ -1875,6 +1938,16 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_new,
   return bf16_out || q.scalar_type() == at::kFloat ? out : out.to(q.scalar_type());
 }
 
+
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_new,
+                            const at::Tensor& v_new, const std::vector<at::Tensor>& caches,
+                            const at::Tensor& positions, int64_t layer, double scale,
+                            bool tiled, bool row_units, int64_t read_ahead) {
+  check_shapes(q, k_new, v_new, caches.size(), positions);
+  return decode_attention_rows(q, k_new, v_new, DecodeRows(caches, positions, tiled), layer,
+                               scale, row_units, read_ahead);
+}
+
 }  // namespace
 
 void register_attention(pybind11::module_& m) {
@@ -1883,6 +1956,17 @@ void register_attention(pybind11::module_& m) {
         pybind11::arg("q"), pybind11::arg("k_new"), pybind11::arg("v_new"),
         pybind11::arg("caches"), pybind11::arg("positions"), pybind11::arg("layer"),
         pybind11::arg("scale"), pybind11::arg("tiled") = false,
+        pybind11::arg("row_units") = false, pybind11::arg("read_ahead") = 0);
+  pybind11::class_<DecodeRows>(m, "DecodeRows",
+                               "A step's decode rows (caches and positions), checked once for "
+                               "every layer's decode_attention_rows call.")
+      .def(pybind11::init<std::vector<at::Tensor>, const at::Tensor&, bool>(),
+           pybind11::arg("caches"), pybind11::arg("positions"), pybind11::arg("tiled") = false)
+      .def_property_readonly("rows", &DecodeRows::rows);
+  m.def("decode_attention_rows", &decode_attention_rows, kReleaseGil,
+        "decode_attention over rows prepared once per step (DecodeRows).",
+        pybind11::arg("q"), pybind11::arg("k_new"), pybind11::arg("v_new"),
+        pybind11::arg("rows"), pybind11::arg("layer"), pybind11::arg("scale"),
         pybind11::arg("row_units") = false, pybind11::arg("read_ahead") = 0);
   m.def("write_tiled", &write_tiled, kReleaseGil,
         "Store k, v [T, kv_heads, head_dim] at positions start.. of a tiled bf16 cache's layer.",
