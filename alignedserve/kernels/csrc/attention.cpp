@@ -1800,7 +1800,7 @@ void check_cache(const at::Tensor& c, at::ScalarType dtype, int64_t kv_heads, in
 // the previous layer's KV stream has pushed out of the caches by then.
 struct DecodeRows {
   std::vector<at::Tensor> caches;
-  at::Tensor positions;  // int64, contiguous
+  at::Tensor positions;  // int64, contiguous, a copy
   at::ScalarType dtype = at::kBFloat16;
   bool tiled = false;
   int64_t kv_heads = 0, dim = 0, elem = 0;
@@ -1816,7 +1816,7 @@ struct DecodeRows {
     const auto rows = static_cast<int64_t>(caches.size());
     ALIGNEDSERVE_CHECK(positions_in.numel() == rows && positions_in.device().is_cpu(),
                        "need one cache and one position per row, on CPU");
-    positions = positions_in.to(at::kLong).contiguous();
+    positions = positions_in.to(at::kLong).clone();  // the step's own: nobody else writes it
     if (rows == 0) return;
     const at::Tensor& first = caches[0];
     dtype = first.scalar_type();
