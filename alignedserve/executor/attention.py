@@ -16,8 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from alignedserve.kernels import Kernels, kv_layout, reference
-from alignedserve.kernels.dispatch import DecodeRows
+from alignedserve.kernels import DecodeRows, Kernels, kv_layout, reference
 
 
 @dataclass(slots=True)

@@ -558,9 +558,9 @@ struct ReadAhead {
   std::array<int64_t, 3> bytes{};
   int count = 0, at = 0;  // regions added; the region the cursor is in
   // The cursor and the end of region `at`: step()'s common case is one compare, so a pass
-  // that keeps its ReadAhead in a local (see dp_scores) holds both in registers. Stepped
-  // through memory, the cursor's bookkeeping had cost more than the requests saved when the
-  // data was cached.
+  // that keeps its ReadAhead in a local (see dp_scores) holds both in registers. (Kept
+  // behind the caller's pointer, each line's step was a chain of loads and stores, which
+  // showed whenever the KV came from the caches.)
   const char* cur = nullptr;
   const char* end = nullptr;
 
@@ -1816,7 +1816,7 @@ struct DecodeRows {
     const auto rows = static_cast<int64_t>(caches.size());
     ALIGNEDSERVE_CHECK(positions_in.numel() == rows && positions_in.device().is_cpu(),
                        "need one cache and one position per row, on CPU");
-    positions = positions_in.to(at::kLong).clone();  // the step's own: nobody else writes it
+    positions = positions_in.to(at::kLong).clone();  // a copy: the caller may reuse its tensor
     if (rows == 0) return;
     const at::Tensor& first = caches[0];
     dtype = first.scalar_type();
