@@ -212,7 +212,7 @@ class Kernels:
     def decode_attention_over(self, q: Tensor, k_new: Tensor, v_new: Tensor, rows: DecodeRows,
                               layer: int, scale: float) -> Tensor:
         """`decode_attention` over ``rows`` (see `decode_rows`): the same results."""
-        if rows.compiled is not None and q.device.type == "cpu":
+        if rows.compiled is not None:  # the kernel checks q's device (ValueError)
             return self.ext.decode_attention_rows(q, k_new, v_new, rows.compiled, layer, scale,
                                                   self.row_units, self.read_ahead)
         return self.decode_attention(q, k_new, v_new, rows.caches, rows.positions, layer,

@@ -419,7 +419,7 @@ struct Problem {
   int64_t q_row;                 // elements between rows of q (a row view of a fused qkv)
   std::vector<char*> k_base;     // per row: &cache[layer, 0, 0, 0, 0]
   std::vector<char*> v_base;     // per row: &cache[layer, 1, 0, 0, 0]
-  std::vector<int64_t> hstride;  // per row: elements between kv heads
+  const int64_t* hstride = nullptr;  // per row: elements between kv heads (DecodeRows)
   const int64_t* pos;            // [B]
   const char* k_new;             // [B, kv_heads, dim], cache dtype: written by append_if_last
   const char* v_new;
@@ -1842,7 +1842,6 @@ struct DecodeRows {
     }
     plan = plan_items(pos, rows, kv_heads, kSpan);
   }
-  int64_t rows() const { return static_cast<int64_t>(caches.size()); }
 };
 
 at::Tensor decode_attention_rows(const at::Tensor& q, const at::Tensor& k_new,
@@ -1896,7 +1895,7 @@ at::Tensor decode_attention_rows(const at::Tensor& q, const at::Tensor& k_new,
     P.k_base[b] = R.base[b] + layer * R.layer_bytes[b];
     P.v_base[b] = P.k_base[b] + R.v_bytes[b];
   }
-  P.hstride = R.hstride;
+  P.hstride = R.hstride.data();
   // A row's spans depend on its own length only, and every item's arithmetic on its span only,
   // so a row's output is the same whatever other rows share the call and however many threads
   // run it (batch invariance); the longest-first order only decides which thread runs what.
@@ -1938,12 +1937,11 @@ at::Tensor decode_attention_rows(const at::Tensor& q, const at::Tensor& k_new,
   return bf16_out || q.scalar_type() == at::kFloat ? out : out.to(q.scalar_type());
 }
 
-
+// One layer's call with the rows checked and planned for it alone.
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_new,
                             const at::Tensor& v_new, const std::vector<at::Tensor>& caches,
                             const at::Tensor& positions, int64_t layer, double scale,
                             bool tiled, bool row_units, int64_t read_ahead) {
-  check_shapes(q, k_new, v_new, caches.size(), positions);
   return decode_attention_rows(q, k_new, v_new, DecodeRows(caches, positions, tiled), layer,
                                scale, row_units, read_ahead);
 }
@@ -1961,8 +1959,7 @@ void register_attention(pybind11::module_& m) {
                                "A step's decode rows (caches and positions), checked once for "
                                "every layer's decode_attention_rows call.")
       .def(pybind11::init<std::vector<at::Tensor>, const at::Tensor&, bool>(),
-           pybind11::arg("caches"), pybind11::arg("positions"), pybind11::arg("tiled") = false)
-      .def_property_readonly("rows", &DecodeRows::rows);
+           pybind11::arg("caches"), pybind11::arg("positions"), pybind11::arg("tiled") = false);
   m.def("decode_attention_rows", &decode_attention_rows, kReleaseGil,
         "decode_attention over rows prepared once per step (DecodeRows).",
         pybind11::arg("q"), pybind11::arg("k_new"), pybind11::arg("v_new"),
