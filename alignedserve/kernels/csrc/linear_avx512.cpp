@@ -127,14 +127,17 @@ uint16_t* out_at_row(const Problem& P, int64_t m, int64_t col) {
   return P.swiglu ? P.out + m * P.out_cols + col / 2 : P.out + m * P.N + col;
 }
 
-// What a tile pulls into L2 while it computes (see part()): `lines` 64-byte lines of each step
-// of a weight run starting at `w` (steps `w_step` elements apart), and the `rows` activation
-// rows starting at `x` (`x_row` bytes apart, `x_bytes` bytes a depth step), one line of each
-// whenever a step starts a new line.
+// What a tile pulls into L2 while it computes (see part()): `steps` depth steps of the next
+// weight group from `w` on (`w_step` bytes apart, `lines` 64-byte lines each), one of them
+// every 2^shift of its own depth steps; and the `rows` activation rows starting at `x`
+// (`x_row` bytes apart, `x_bytes` bytes a depth step), one line of each whenever a step
+// starts a new line.
 struct Ahead {
-  const uint16_t* w;
+  const char* w;
   int64_t w_step;
   int64_t lines;
+  int64_t steps;
+  int shift;
   const char* x;
   int64_t x_row;
   int64_t x_bytes;
@@ -154,8 +157,10 @@ inline __attribute__((always_inline)) void pull(const Problem& P, int64_t m, int
       for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(o + b, _MM_HINT_T0);
       _mm_prefetch(o + bytes - 1, _MM_HINT_T0);
     }
-  const char* pfw = reinterpret_cast<const char*>(ahead.w + p * ahead.w_step);
-  for (int64_t q = 0; q < ahead.lines; ++q) _mm_prefetch(pfw + q * 64, _MM_HINT_T1);
+  const int64_t s = p >> ahead.shift;
+  if (s << ahead.shift == p && s < ahead.steps)
+    for (int64_t q = 0; q < ahead.lines; ++q)
+      _mm_prefetch(ahead.w + s * ahead.w_step + q * 64, _MM_HINT_T1);
   if ((p * ahead.x_bytes & 63) == 0)
     for (int64_t r = 0; r < ahead.rows; ++r)
       _mm_prefetch(ahead.x + r * ahead.x_row + p * ahead.x_bytes, _MM_HINT_T1);
@@ -357,10 +362,14 @@ float* wide_scratch(int64_t floats) {
 // Rows [m0, m1) x blocks [j0, j1), one group at a time: the blocks of one panel inside the
 // range (a whole panel but maybe at the ends), all row tiles over it. Each tile pulls the
 // rows of the tile after it into L2 (with many rows they come from L3). With at least two
-// full row tiles, the tiles also pull the next group's weights into L2, its per-step lines
-// shared out over them, so the weight stream from memory overlaps the arithmetic. With fewer
-// rows the group is a stream from memory that the hardware prefetchers serve better alone:
-// a second, software stream one panel ahead made it slower.
+// full row tiles, the tiles also pull the next group's weights into L2, so the weight stream
+// from memory overlaps the arithmetic: tile t takes the t-th run of the next group's depth
+// steps and requests one step (all its lines) every 2^shift of its own steps, the largest
+// power of two at which the tiles still cover the group. So the stream goes in address order
+// and is spread over the group's whole time; before, each of the first tiles requested a
+// line of every step (strided, in a burst), which measured slower on weights from DRAM.
+// With fewer rows the group is a stream from memory that the hardware prefetchers serve
+// better alone: a second, software stream one panel ahead made it slower.
 void part(const Problem& P, int64_t m0, int64_t m1, int64_t j0, int64_t j1) {
 #ifdef ALIGNEDSERVE_LINEAR_WIDE
   const bool wide = P.xw != nullptr;
@@ -379,7 +388,11 @@ void part(const Problem& P, int64_t m0, int64_t m1, int64_t j0, int64_t j1) {
     const auto [w, w_step] = block_at(P, j);
     const int64_t next = pull && j_end < j1 ? group_end(j_end) - j_end : 0;  // lines a step
     const auto [w_next, w_next_step] = next ? block_at(P, j_end) : std::pair{w, w_step};
-    const int64_t per_tile = ceil_div(next, row_tiles);
+    // Own steps of a tile (the half pair of an odd K has none) and the pull's rate.
+    const int64_t own = P.xw != nullptr ? P.KP : P.K / 2;
+    int shift = 0;
+    while (shift < 16 && row_tiles * ceil_div(own, int64_t{2} << shift) >= P.KP) ++shift;
+    const int64_t per_tile = ceil_div(own, int64_t{1} << shift);  // next-group steps a tile
 #ifdef ALIGNEDSERVE_LINEAR_WIDE
     if (wide) widen_group(P, w, w_step, cols, scratch);
     const char* x_base = wide ? reinterpret_cast<const char*>(P.xw)
@@ -391,11 +404,11 @@ void part(const Problem& P, int64_t m0, int64_t m1, int64_t j0, int64_t j1) {
 #endif
     for (int64_t m = m0, t = 0; m < m1; m += tile_rows_max, ++t) {
       const int64_t rows = std::min<int64_t>(tile_rows_max, m1 - m);
-      const int64_t q0 = std::min(next, t * per_tile);
+      const int64_t s0 = std::min(P.KP, t * per_tile);
       const int64_t m_next = m + tile_rows_max < m1 ? m + tile_rows_max : m0;
-      const Ahead ahead{w_next + q0 * kBlock * 2, w_next_step,
-                        std::min(next, q0 + per_tile) - q0, x_base + m_next * x_row, x_row,
-                        x_bytes,
+      const Ahead ahead{reinterpret_cast<const char*>(w_next + s0 * w_next_step),
+                        w_next_step * 2, next, std::min(P.KP, s0 + per_tile) - s0, shift,
+                        x_base + m_next * x_row, x_row, x_bytes,
                         row_tiles > 1 ? std::min<int64_t>(tile_rows_max, m1 - m_next) : 0};
       const int64_t col = j * kBlock;
 #ifdef ALIGNEDSERVE_LINEAR_WIDE
