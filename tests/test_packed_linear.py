@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from alignedserve.kernels import Kernels, kernels_for_path
 from alignedserve.kernels.linear import (PACKED_MAX_ROWS, PackedLinear, deinterleave_gate_up,
-                                         interleave_gate_up, pack_linears)
+                                         interleave_gate_up, pack_linears, swap_rotary_quarters)
 from tests.conftest import kernel_path_params
 from tests.model_utils import our_logits, ours_from_hf, tiny_hf_model
 
@@ -196,3 +196,72 @@ def test_pack_linears_fuses_only_gate_up(compiled: Kernels) -> None:
         assert fused and all(name.endswith("gate_up_proj") for name in fused)
     else:
         assert not fused
+
+
+@pytest.mark.parametrize("heads,kv_heads,in_features,rows,with_bias",
+                         [(9, 3, 576, 64, False), (9, 3, 576, 1, False), (2, 1, 40, 7, True),
+                          (2, 2, 33, 13, True), (1, 1, 64, 700, True)])
+def test_fused_rotary_is_bit_identical_to_linear_then_rotary_qkv(
+        compiled: Kernels, heads: int, kv_heads: int, in_features: int, rows: int,
+        with_bias: bool) -> None:
+    """A qkv projection packed for the rotary epilogue (heads of 64 dims): its fused call
+    equals rotary_qkv of the plain layer's output bit for bit (cos / sin as the model passes
+    them: strided views of one table), its plain forward equals the plain layer's, and rows
+    do not depend on their batch; paths without the epilogue say None."""
+    out_features, rotary_cols = (heads + 2 * kv_heads) * 64, (heads + kv_heads) * 64
+    gen = torch.Generator().manual_seed(out_features + rows)
+    weight = (torch.randn(out_features, in_features, generator=gen) * 0.1).bfloat16()
+    bias = torch.randn(out_features, generator=gen).bfloat16() if with_bias else None
+    x = torch.randn(rows, in_features, generator=gen).bfloat16()
+    table = torch.randn(rows, 64, generator=gen).bfloat16()
+    cos, sin = table[:, :32], table[:, 32:]
+    plain = PackedLinear(weight, bias, compiled)
+    fused = PackedLinear(weight, bias, compiled, rotary_cols=rotary_cols)
+    want = compiled.rotary_qkv(plain(x), cos, sin, heads, kv_heads, 64)
+    got = compiled.qkv_rotary(fused, x, cos, sin, heads, kv_heads, 64)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert torch.equal(fused(x), plain(x))
+    if not compiled.avx512:
+        assert fused.rotary(x, cos, sin, heads, kv_heads) is None and not fused.fused_rotary_cols
+        return
+    assert fused.fused_rotary_cols == rotary_cols
+    whole = fused.rotary(x, cos, sin, heads, kv_heads)
+    half = fused.rotary(x[rows // 2:], cos[rows // 2:], sin[rows // 2:], heads, kv_heads)
+    assert all(torch.equal(a, b[rows // 2:]) for a, b in zip(half, whole))
+    assert fused.rotary(x[:, ::2], cos, sin, heads, kv_heads) is None  # strided rows
+    assert fused.rotary(x, cos.float(), sin.float(), heads, kv_heads) is None
+    assert fused.rotary(x, cos, sin, heads + 1, kv_heads) is None  # not its heads
+    with pytest.raises(ValueError, match="cos / sin must be"):
+        fused.rotary(x, cos[:, :16], sin[:, :16], heads, kv_heads)
+
+
+def test_rotary_quarters_swap_and_round_trip() -> None:
+    t = torch.arange(160.0)  # two rotary heads, then 32 other entries
+    order = swap_rotary_quarters(t, 128)
+    head = list(range(16)) + list(range(32, 48)) + list(range(16, 32)) + list(range(48, 64))
+    assert order.tolist() == head + [64 + i for i in head] + list(range(128, 160))
+    assert torch.equal(swap_rotary_quarters(order.view(1, 160), 128, dim=1).view(160), t)
+
+
+def test_pack_linears_packs_qkv_for_the_rotary_epilogue(compiled: Kernels) -> None:
+    """Heads of 64 dims: each layer's qkv_proj takes the epilogue where the path has it, and
+    the packed model's greedy forward is the plain packing's (the epilogue is bit-identical)."""
+    model = ours_from_hf(tiny_hf_model(hidden_size=256, num_attention_heads=4,
+                                       num_key_value_heads=2)).bfloat16()
+    plain = copy.deepcopy(model)
+    pack_linears(model, compiled)
+    fused = {name: m.fused_rotary_cols for name, m in model.named_modules()
+             if isinstance(m, PackedLinear) and m.fused_rotary_cols}
+    if not compiled.avx512:
+        assert not fused
+        return
+    assert set(fused) == {f"layers.{i}.self_attn.qkv_proj" for i in range(2)}
+    assert set(fused.values()) == {(4 + 2) * 64}
+    for module in plain.modules():  # the same packing without the epilogue
+        for name, child in list(module.named_children()):
+            if isinstance(child, torch.nn.Linear):
+                setattr(module, name, PackedLinear(child.weight, child.bias, compiled,
+                                                   swiglu=name == "gate_up_proj"))
+    ids = torch.randint(0, 256, (20,), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        assert torch.equal(our_logits(model, ids), our_logits(plain, ids))

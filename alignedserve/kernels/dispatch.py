@@ -144,6 +144,20 @@ class Kernels:
                 return views
         return reference.rotary_qkv(qkv, cos, sin, num_heads, num_kv_heads, head_dim)
 
+    def qkv_rotary(self, qkv_proj: torch.nn.Module, x: Tensor, cos: Tensor,
+                   sin: Tensor, num_heads: int, num_kv_heads: int,
+                   head_dim: int) -> tuple[Tensor, Tensor, Tensor]:
+        """`rotary_qkv` of a fused qkv projection of x: one call into the projection where
+        it applies RoPE itself (``PackedLinear.rotary``, bit-identical), else the projection,
+        then `rotary_qkv`. q, k, v are views of one [T, (H + 2 KVH) D] product either way on
+        the compiled paths."""
+        fused = getattr(qkv_proj, "rotary", None)
+        views = fused(x, cos, sin, num_heads, num_kv_heads) if fused is not None else None
+        if views is not None:
+            return views
+        return self.rotary_qkv(qkv_proj.forward(x), cos, sin, num_heads, num_kv_heads,
+                               head_dim)
+
     def silu_mul(self, gate_up: Tensor) -> Tensor:
         """SwiGLU activation ``silu(gate) * up`` of gate_up [T, 2 I] = [gate | up]."""
         out = self.ext.try_silu_mul(gate_up) if self.ext is not None else None

@@ -19,6 +19,13 @@ Where the path's own kernel takes every batch size (``avx512_bf16``, ``avx512``,
 `pack_linears` then drops each layer's unpacked weight (`PackedLinear.release_weight`): the
 packing is the only copy the model holds, so its linears cost their size once, not twice.
 
+A fused qkv projection whose heads have 64 dims (``rotary_cols``: its q and k columns) is
+packed on the AVX-512 paths with each of those heads' 16-row blocks in the order dims
+[0, 16), [32, 48), [16, 32), [48, 64) (`swap_rotary_quarters`), so that each block pair holds
+the two halves rotate-half RoPE mixes and `PackedLinear.rotary` can ask the kernel for the
+rotated q and k straight from its accumulators: bit-identical to ``rotary_qkv(forward(x))``,
+without a second pass over the ``[rows, (H + 2 KVH) D]`` product.
+
 A fused ``[gate | up]`` projection (``swiglu=True``) on the AVX-512 paths is packed with its
 16-row blocks interleaved (gate 0, up 0, gate 1, ...) so that `PackedLinear.silu_mul` can
 ask the kernel for ``silu(gate) * up`` straight from its accumulators: bit-identical to
@@ -47,6 +54,7 @@ AMX_MAX_ROWS = 1024  # AMX tiles win up to here on the layers' shapes
 AMX_MAX_ROWS_LM_HEAD = 128  # ... and up to here on the LM head
 _PACK_HINT_ROWS = 64  # oneDNN picks its blocking for this batch size
 _SWIGLU_BLOCK = 16  # rows per gate / up block of the interleaved packing (the kernel's zmm)
+ROTARY_HEAD_DIM = 64  # head width the rotary epilogue takes: one 64-column panel of the kernel
 _EVERY_ROW_COUNT = 1 << 62  # kernel_max_rows of a path whose own kernel takes any batch
 
 
@@ -61,6 +69,18 @@ def deinterleave_gate_up(y: Tensor) -> Tensor:
     """Columns of an interleaved product ``[rows, 2 I]`` back in ``[gate | up]`` order."""
     blocks = y.shape[1] // (2 * _SWIGLU_BLOCK)
     return y.reshape(y.shape[0], blocks, 2, _SWIGLU_BLOCK).transpose(1, 2).reshape(y.shape)
+
+
+def swap_rotary_quarters(t: Tensor, rotary_cols: int, dim: int = 0) -> Tensor:
+    """``t`` with, along ``dim``, each 64-wide head among its first ``rotary_cols`` entries
+    reordered as dims [0, 16), [32, 48), [16, 32), [48, 64) (the second and third quarters
+    swapped); a new tensor. Its own inverse: it packs a qkv weight's rows (or bias) for the
+    rotary epilogue and restores a product's columns computed from such a packing."""
+    heads = rotary_cols // ROTARY_HEAD_DIM
+    moved = t.movedim(dim, 0)
+    head = moved[:rotary_cols].reshape(heads, 4, ROTARY_HEAD_DIM // 4, *moved.shape[1:])
+    swapped = head[:, [0, 2, 1, 3]].reshape(rotary_cols, *moved.shape[1:])
+    return torch.cat((swapped, moved[rotary_cols:])).movedim(0, dim)
 
 
 def onednn_packing_supported(weight: Tensor) -> bool:
@@ -91,11 +111,13 @@ class PackedLinear(nn.Module):
     module (a tied LM head reads the embedding matrix), or None once `release_weight` dropped
     it (``tiles`` is then the only copy, and every call goes to the path's own kernel).
     ``fused_swiglu``: ``tiles`` holds the interleaved packing (module docstring), and so does
-    ``kernel_bias``, the bias as the kernel takes it.
+    ``kernel_bias``, the bias as the kernel takes it. ``fused_rotary_cols`` > 0: ``tiles`` and
+    ``kernel_bias`` hold the rotary packing of that many leading output features
+    (`swap_rotary_quarters`), and `forward` restores the natural column order.
     """
 
     def __init__(self, weight: Tensor, bias: Tensor | None, kernels: Kernels,
-                 lm_head: bool = False, swiglu: bool = False) -> None:
+                 lm_head: bool = False, swiglu: bool = False, rotary_cols: int = 0) -> None:
         super().__init__()
         self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight, False)
         self.bias = bias
@@ -103,6 +125,7 @@ class PackedLinear(nn.Module):
         self.kernel_bias = bias
         self.kernel_max_rows = 0  # rows up to which the path's own kernel runs
         self.fused_swiglu = False
+        self.fused_rotary_cols = 0
         self._kernel = None
         tiles = None
         ext = kernels.ext
@@ -114,10 +137,19 @@ class PackedLinear(nn.Module):
             self._kernel, pack = own
             self.fused_swiglu = (swiglu and kernels.avx512
                                  and self.out_features % (2 * _SWIGLU_BLOCK) == 0)
+            if (kernels.avx512 and rotary_cols > 0 and rotary_cols % ROTARY_HEAD_DIM == 0
+                    and rotary_cols <= self.out_features
+                    and self.out_features % (2 * _SWIGLU_BLOCK) == 0 and not self.fused_swiglu):
+                self.fused_rotary_cols = rotary_cols
             if self.fused_swiglu:
                 tiles = pack(interleave_gate_up(weight.detach()))
                 if bias is not None:
                     self.kernel_bias = interleave_gate_up(bias.detach())
+            elif self.fused_rotary_cols:
+                self._rotary_kernel = kernels.ext.linear_avx512_rotary_qkv
+                tiles = pack(swap_rotary_quarters(weight.detach(), rotary_cols))
+                if bias is not None:
+                    self.kernel_bias = swap_rotary_quarters(bias.detach(), rotary_cols)
             else:
                 tiles = pack(weight.detach())
             self.kernel_max_rows = _EVERY_ROW_COUNT
@@ -138,6 +170,10 @@ class PackedLinear(nn.Module):
                 if self.fused_swiglu:
                     return deinterleave_gate_up(
                         self._kernel(x, self._buffers["tiles"], self.kernel_bias))
+                if self.fused_rotary_cols:
+                    return swap_rotary_quarters(
+                        self._kernel(x, self._buffers["tiles"], self.kernel_bias),
+                        self.fused_rotary_cols, dim=1)
                 return self._kernel(x, self._buffers["tiles"], bias)
             if rows <= self.packed_max_rows:
                 return torch.ops.mkldnn._linear_pointwise(x, self._buffers["packed"], bias,
@@ -168,13 +204,29 @@ class PackedLinear(nn.Module):
             return self._kernel(x, self._buffers["tiles"], self.kernel_bias, True)
         return None
 
+    def rotary(self, x: Tensor, cos: Tensor, sin: Tensor, num_heads: int,
+               num_kv_heads: int) -> tuple[Tensor, Tensor, Tensor] | None:
+        """(q, k, v): this qkv projection of rows x [T, in] with rotate-half RoPE on its q
+        and k heads (cos, sin: [T, 32] bf16), in one kernel call, as views of one product:
+        bit-identical to `forward` followed by ``Kernels.rotary_qkv``. None where it was not
+        packed for that, x is not dense rows or cos / sin are not 2-d bf16 (the caller does
+        the two steps)."""
+        if (self.fused_rotary_cols and x.dim() == 2 and x.stride(1) == 1 and cos.dim() == 2
+                and sin.dim() == 2 and cos.dtype == sin.dtype == torch.bfloat16
+                and (num_heads + num_kv_heads) * ROTARY_HEAD_DIM == self.fused_rotary_cols):
+            return self._rotary_kernel(x, self._buffers["tiles"], self.kernel_bias, cos, sin,
+                                       num_heads, num_kv_heads)
+        return None
+
 
 def pack_linears(model: nn.Module, kernels: Kernels) -> int:
     """Replace every bf16 CPU ``nn.Linear`` in ``model`` by a `PackedLinear` for ``kernels``;
     return how many (0 on the reference path and for other dtypes or devices).
 
     A model with a tied LM head (``lm_head is None``) gets a packed head that shares the
-    embedding matrix, so ``compute_logits`` takes the fast path too.
+    embedding matrix, so ``compute_logits`` takes the fast path too. A ``qkv_proj`` whose
+    parent names its heads (``num_heads``, ``num_kv_heads``, ``head_dim`` = 64) is packed for
+    the rotary epilogue.
     """
     targets = [(name, mod) for name, mod in model.named_modules() if isinstance(mod, nn.Linear)]
     if kernels.ext is None or not targets:
@@ -187,7 +239,8 @@ def pack_linears(model: nn.Module, kernels: Kernels) -> int:
             parent_name, _, attr = name.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
             packed = PackedLinear(linear.weight, linear.bias, kernels,
-                                  lm_head=name == "lm_head", swiglu=attr == "gate_up_proj")
+                                  lm_head=name == "lm_head", swiglu=attr == "gate_up_proj",
+                                  rotary_cols=_rotary_cols(parent, attr))
             packed.release_weight()  # the module owned it; its packing is the only copy now
             setattr(parent, attr, packed)
         if getattr(model, "lm_head", "absent") is None:
@@ -196,3 +249,11 @@ def pack_linears(model: nn.Module, kernels: Kernels) -> int:
         log.warning("weight prepacking failed, using plain linear layers: %s", exc)
         return 0
     return len(targets)
+
+
+def _rotary_cols(parent: nn.Module, attr: str) -> int:
+    """The q and k columns of a fused qkv projection ``parent.attr`` whose heads the rotary
+    epilogue takes (64 dims); 0 for any other linear."""
+    if attr != "qkv_proj" or getattr(parent, "head_dim", 0) != ROTARY_HEAD_DIM:
+        return 0
+    return (parent.num_heads + parent.num_kv_heads) * ROTARY_HEAD_DIM

@@ -146,7 +146,7 @@ class LlamaAttention(nn.Module):
                 k: Kernels) -> Tensor:
         t = x.shape[0]
         linears = self._modules
-        q, key, value = k.rotary_qkv(linears["qkv_proj"].forward(x), cos, sin, self.num_heads,
+        q, key, value = k.qkv_rotary(linears["qkv_proj"], x, cos, sin, self.num_heads,
                                      self.num_kv_heads, self.head_dim)
         out = attn(self.layer_idx, q, key, value)
         return linears["o_proj"].forward(out.reshape(t, self.num_heads * self.head_dim))

@@ -22,6 +22,15 @@
 //            [M, N / 2] = silu(gate) * up, rounded exactly as linear + silu_mul round it
 //            (gate and up to bf16 first, then fused.cpp's silu_mul arithmetic, vec.h), so the
 //            result is bit-identical to the two calls and the [M, N] product is never stored.
+//   rotary : optional epilogue for a fused qkv projection whose first rotary_cols / 64 heads
+//            (q and k; head_dim 64, one panel each) take rotate-half RoPE: W's rows packed
+//            with each such head's 16-row blocks in the order dims [0, 16), [32, 48),
+//            [16, 32), [48, 64) (so each block pair holds the x1 and x2 halves RoPE mixes), and
+//            cos / sin [M, 32] bf16 rows. out is [M, N] in W's natural column order with those
+//            heads rotated, rounded exactly as linear + fused.cpp's rotary_qkv_ round them
+//            (the product to bf16 first, then rotary_row's arithmetic, vec.h), so the result
+//            is bit-identical to the two calls. Without rotary such a packing's product comes
+//            out in the packed order (the caller restores it).
 //
 // Arithmetic, and why a row's result does not depend on its batch: every output element
 // y[m, n] is one fp32 accumulator that starts at +0 and takes, for p = 0, 1, ..., KP - 1 in
@@ -63,6 +72,7 @@
 #include <cstring>
 #include <memory>
 #include <optional>
+#include <tuple>
 #include <utility>
 
 #include "bf16_pairs.h"  // vdpbf16ps, or its AVX-512F equivalent (the avx512 path)
@@ -109,6 +119,11 @@ struct Problem {
   bool swiglu;        // block pairs (gate, up) -> silu(gate) * up (file comment)
   int64_t out_cols;   // N, or N / 2 with swiglu
   const float* xw;    // x widened to fp32, [M, 2 KP] (zero-padded), or null: see wide_tile()
+  // RoPE epilogue (file comment): columns below rotary_cols, cos / sin rows (elements apart).
+  int64_t rotary_cols = 0;
+  const uint16_t* cos = nullptr;
+  const uint16_t* sin = nullptr;
+  int64_t cos_stride = 0, sin_stride = 0;
 };
 
 // Where block j's step 0 lies, and how many elements apart its steps are (its panel's width
@@ -166,6 +181,37 @@ inline __attribute__((always_inline)) void pull(const Problem& P, int64_t m, int
       _mm_prefetch(ahead.x + r * ahead.x_row + p * ahead.x_bytes, _MM_HINT_T1);
 }
 
+// r(v) as linear_avx512 stores it, widened back to fp32 exactly: what the epilogues start from.
+inline __attribute__((always_inline)) Vec rounded(__m512 v) {
+  const __m512i bf = _mm512_cvtepu16_epi32(bf16::round16(v));
+  return Vec{_mm512_castsi512_ps(_mm512_slli_epi32(bf, 16))};
+}
+
+// The rotary epilogue's store (file comment): packed block pair (c, c + 1) of the tile holds
+// dims [d, d + 16) and [d + 32, d + 48) of head (col / 16 + c) / 4, d = 0 or 16 by the pair's
+// place in the head; each is rounded as the linear stores it, then rotated as rotary_row
+// rotates the stored row.
+template <int R, int C>
+inline __attribute__((always_inline)) void rotate(const Problem& P, int64_t m, int64_t col,
+                                                  __m512 (&acc)[R][C], const __m512 (&bias)[C]) {
+#pragma GCC unroll 2
+  for (int c = 0; c + 1 < C; c += 2) {
+    const int64_t block = col / kBlock + c;
+    const int64_t d = block % kPanelBlocks / 2 * kBlock;
+    const int64_t x1_col = block / kPanelBlocks * kPanelBlocks * kBlock + d;
+#pragma GCC unroll 6
+    for (int r = 0; r < R; ++r) {
+      const Vec cs = vload(P.cos + (m + r) * P.cos_stride + d, kBlock);
+      const Vec sn = vload(P.sin + (m + r) * P.sin_stride + d, kBlock);
+      const Vec x1 = rounded(_mm512_add_ps(acc[r][c], bias[c]));
+      const Vec x2 = rounded(_mm512_add_ps(acc[r][c + 1], bias[c + 1]));
+      uint16_t* out = P.out + (m + r) * P.N + x1_col;
+      vstore(out, vround(x1 * cs) - vround(x2 * sn), kBlock);
+      vstore(out + 2 * kBlock, vround(x2 * cs) + vround(x1 * sn), kBlock);
+    }
+  }
+}
+
 // Bias (or +0), one rounding, store of a tile's accumulators; inlined so they stay in
 // registers.
 template <int R, int C>
@@ -191,10 +237,6 @@ inline __attribute__((always_inline)) void finish(const Problem& P, int64_t m, i
     }
   }
   if (P.swiglu) {  // C is even here: blocks (gate, up) side by side, full (N % 32 == 0)
-    auto rounded = [](__m512 v) {  // r(v) as linear_avx512 stores it, widened back exactly
-      const __m512i bf = _mm512_cvtepu16_epi32(bf16::round16(v));
-      return Vec{_mm512_castsi512_ps(_mm512_slli_epi32(bf, 16))};
-    };
 #pragma GCC unroll 6
     for (int r = 0; r < R; ++r)
 #pragma GCC unroll 2
@@ -203,6 +245,10 @@ inline __attribute__((always_inline)) void finish(const Problem& P, int64_t m, i
         const Vec up = rounded(_mm512_add_ps(acc[r][c + 1], bias[c + 1]));
         vstore(out_at_row(P, m + r, col) + c / 2 * kBlock, silu_times(gate, up), kBlock);
       }
+    return;
+  }
+  if (col < P.rotary_cols) {  // C is even: block pairs (x1, x2) of one head's dims
+    if constexpr (C % 2 == 0) rotate<R, C>(P, m, col, acc, bias);
     return;
   }
 #pragma GCC unroll 6
@@ -476,7 +522,9 @@ at::Tensor pack_weight_avx512(const at::Tensor& w) {
 }
 
 at::Tensor linear_avx512(const at::Tensor& x, const at::Tensor& packed,
-                         const std::optional<at::Tensor>& bias_opt, bool swiglu) {
+                         const std::optional<at::Tensor>& bias_opt, bool swiglu,
+                         const std::optional<at::Tensor>& cos_opt,
+                         const std::optional<at::Tensor>& sin_opt, int64_t rotary_cols) {
   TORCH_CHECK_VALUE(available(), "linear_avx512: this build has no AVX-512 kernel");
   const auto [N, K] = checks::packed_shape(packed, kMagic, kBlock, "linear_avx512",
                                            "pack_weight_avx512");
@@ -485,6 +533,22 @@ at::Tensor linear_avx512(const at::Tensor& x, const at::Tensor& packed,
   TORCH_CHECK_VALUE(!swiglu || N % (2 * kBlock) == 0, "linear_avx512: the swiglu epilogue "
                     "needs a block-interleaved [gate | up] weight, N % 32 == 0; got N = ", N);
   const int64_t M = x.size(0);
+  TORCH_CHECK_VALUE(cos_opt.has_value() == sin_opt.has_value() &&
+                    cos_opt.has_value() == (rotary_cols > 0),
+                    "linear_avx512: the rotary epilogue takes cos, sin and rotary_cols > 0 "
+                    "together");
+  if (rotary_cols > 0) {
+    TORCH_CHECK_VALUE(!swiglu && rotary_cols % (kPanelBlocks * kBlock) == 0 &&
+                      rotary_cols <= N && N % (2 * kBlock) == 0, "linear_avx512: rotary_cols "
+                      "must be a multiple of 64 within N = ", N, " (heads of 64 dims; N a "
+                      "multiple of 32), without swiglu; got ", rotary_cols);
+    for (const at::Tensor* t : {&*cos_opt, &*sin_opt})
+      TORCH_CHECK_VALUE(t->dim() == 2 && t->size(0) == M && t->size(1) == kBlock * 2 &&
+                        t->scalar_type() == at::kBFloat16 && t->device().is_cpu() &&
+                        t->stride(1) == 1, "linear_avx512: cos / sin must be [", M, ", 32] bf16 "
+                        "CPU rows with a contiguous last dim, got ", t->scalar_type(), " ",
+                        t->sizes(), " strides ", t->strides());
+  }
   const int64_t out_cols = swiglu ? N / 2 : N;
   at::Tensor out = at::empty({M, out_cols}, x.options());
 #ifdef ALIGNEDSERVE_LINEAR_AVX512
@@ -529,17 +593,24 @@ at::Tensor linear_avx512(const at::Tensor& x, const at::Tensor& packed,
     return nullptr;
 #endif
   };
-  const Problem P{reinterpret_cast<const uint16_t*>(rows.data_ptr()), x_stride,
+  Problem P{reinterpret_cast<const uint16_t*>(rows.data_ptr()), x_stride,
                   reinterpret_cast<const uint16_t*>(packed.data_ptr()),
                   bias.defined() ? bias.data_ptr() : nullptr,
                   bias.defined() && bias.scalar_type() == at::kBFloat16,
                   reinterpret_cast<uint16_t*>(out.data_ptr()),
                   M, N, K, ceil_div(K, 2), swiglu, out_cols, widened_rows(rows, x_stride, M, K)};
+  if (rotary_cols > 0) {
+    P.rotary_cols = rotary_cols;
+    P.cos = static_cast<const uint16_t*>(cos_opt->data_ptr());
+    P.sin = static_cast<const uint16_t*>(sin_opt->data_ptr());
+    P.cos_stride = cos_opt->stride(0), P.sin_stride = sin_opt->stride(0);
+  }
   const int64_t NB = ceil_div(N, kBlock);
   const int64_t T = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), NB * M));
   const int64_t tm = split_rows(M, NB, T), tn = T / tm;
-  // With swiglu a thread's blocks start and end on (gate, up) pair boundaries.
-  const int64_t unit = swiglu ? 2 : 1, units = NB / unit;
+  // With swiglu a thread's blocks start and end on (gate, up) pair boundaries, with rotary on
+  // (x1, x2) pair boundaries (N is then even in blocks too: a multiple of 64 columns).
+  const int64_t unit = swiglu || rotary_cols > 0 ? 2 : 1, units = NB / unit;
   at::parallel_for(0, T, 1, [&](int64_t lo, int64_t hi) {
     for (int64_t t = lo; t < hi; ++t) {  // hi > lo + 1 only where the region runs serially
       const int64_t i = t / tn, jn = t % tn;
@@ -549,6 +620,27 @@ at::Tensor linear_avx512(const at::Tensor& x, const at::Tensor& packed,
   });
 #endif
   return out;
+}
+
+// The rotary epilogue's call as the attention takes it: views (q [M, H, 64], k and v
+// [M, KVH, 64]) of the one product.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_avx512_rotary_qkv(
+    const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
+    const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads, int64_t num_kv_heads) {
+  constexpr int64_t kHeadDim = kPanelBlocks * kBlock;
+  TORCH_CHECK_VALUE(num_heads > 0 && num_kv_heads > 0, "linear_avx512_rotary_qkv: need "
+                    "positive head counts, got ", num_heads, " and ", num_kv_heads);
+  const at::Tensor qkv = linear_avx512(x, packed, bias, false, cos, sin,
+                                       (num_heads + num_kv_heads) * kHeadDim);
+  const int64_t t = qkv.size(0), q_width = num_heads * kHeadDim,
+                kv_width = num_kv_heads * kHeadDim;
+  TORCH_CHECK_VALUE(qkv.size(1) == q_width + 2 * kv_width, "linear_avx512_rotary_qkv: the "
+                    "product is ", qkv.sizes(), ", not [T, (", num_heads, " + 2*",
+                    num_kv_heads, ") * 64]");
+  return std::make_tuple(qkv.narrow(1, 0, q_width).view({t, num_heads, kHeadDim}),
+                         qkv.narrow(1, q_width, kv_width).view({t, num_kv_heads, kHeadDim}),
+                         qkv.narrow(1, q_width + kv_width, kv_width)
+                             .view({t, num_kv_heads, kHeadDim}));
 }
 
 }  // namespace
@@ -564,8 +656,16 @@ void register_linear_avx512(pybind11::module_& m) {
   m.def("linear_avx512", &linear_avx512, kReleaseGil,
         "y = x . W^T + bias in bf16 (fp32 accumulation, one rounding); a row's result does "
         "not depend on the batch it is in. swiglu: W is a block-interleaved [gate | up] "
-        "projection and the result is silu(gate) * up [M, N / 2].",
-        arg("x"), arg("packed"), arg("bias") = pybind11::none(), arg("swiglu") = false);
+        "projection and the result is silu(gate) * up [M, N / 2]. cos, sin ([M, 32] bf16) "
+        "and rotary_cols: W is a qkv projection packed for RoPE on its first rotary_cols "
+        "columns (heads of 64 dims), applied to the result.",
+        arg("x"), arg("packed"), arg("bias") = pybind11::none(), arg("swiglu") = false,
+        arg("cos") = pybind11::none(), arg("sin") = pybind11::none(), arg("rotary_cols") = 0);
+  m.def("linear_avx512_rotary_qkv", &linear_avx512_rotary_qkv, kReleaseGil,
+        "linear_avx512 with the rotary epilogue on the q and k heads (64 dims each) of a qkv "
+        "projection packed for it; views (q, k, v) of the product.",
+        arg("x"), arg("packed"), arg("bias"), arg("cos"), arg("sin"), arg("num_heads"),
+        arg("num_kv_heads"));
 }
 
 }  // namespace alignedserve
