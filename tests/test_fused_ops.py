@@ -237,6 +237,19 @@ def test_argmax_takes_the_reference_where_the_kernel_does_not_apply(compiled):
     assert compiled.argmax_rows(logits) == logits.max(dim=-1).indices.tolist()
 
 
+@pytest.mark.parametrize("vocab", [1, 15, 16, 63, 64, 65, 200, 49152])
+def test_argmax_is_the_first_maximum_under_many_ties(compiled, vocab):
+    """Rows of a few distinct values (ties everywhere, at every lane and vector position the
+    kernel's chains see), -inf rows and rows whose maximum is their last element: the
+    compiled argmax is torch's first maximum."""
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randint(0, 4, (12, vocab), generator=gen).to(torch.bfloat16)
+    logits[0] = float("-inf")
+    logits[1, -1] = 9.0
+    logits[2, : vocab // 2] = -1.0
+    assert compiled.argmax_rows(logits) == logits.max(dim=-1).indices.tolist()
+
+
 def test_kernel_errors_name_the_misfit(compiled):
     rows = rand(4, HIDDEN, seed=41)
     with pytest.raises(ValueError, match="x must be 2-d"):
