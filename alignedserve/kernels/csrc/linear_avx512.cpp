@@ -594,11 +594,11 @@ at::Tensor linear_avx512(const at::Tensor& x, const at::Tensor& packed,
 #endif
   };
   Problem P{reinterpret_cast<const uint16_t*>(rows.data_ptr()), x_stride,
-                  reinterpret_cast<const uint16_t*>(packed.data_ptr()),
-                  bias.defined() ? bias.data_ptr() : nullptr,
-                  bias.defined() && bias.scalar_type() == at::kBFloat16,
-                  reinterpret_cast<uint16_t*>(out.data_ptr()),
-                  M, N, K, ceil_div(K, 2), swiglu, out_cols, widened_rows(rows, x_stride, M, K)};
+            reinterpret_cast<const uint16_t*>(packed.data_ptr()),
+            bias.defined() ? bias.data_ptr() : nullptr,
+            bias.defined() && bias.scalar_type() == at::kBFloat16,
+            reinterpret_cast<uint16_t*>(out.data_ptr()),
+            M, N, K, ceil_div(K, 2), swiglu, out_cols, widened_rows(rows, x_stride, M, K)};
   if (rotary_cols > 0) {
     P.rotary_cols = rotary_cols;
     P.cos = static_cast<const uint16_t*>(cos_opt->data_ptr());
@@ -609,7 +609,7 @@ at::Tensor linear_avx512(const at::Tensor& x, const at::Tensor& packed,
   const int64_t T = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), NB * M));
   const int64_t tm = split_rows(M, NB, T), tn = T / tm;
   // With swiglu a thread's blocks start and end on (gate, up) pair boundaries, with rotary on
-  // (x1, x2) pair boundaries (N is then even in blocks too: a multiple of 64 columns).
+  // (x1, x2) pair boundaries (N is then a multiple of 32 columns: an even count of blocks).
   const int64_t unit = swiglu || rotary_cols > 0 ? 2 : 1, units = NB / unit;
   at::parallel_for(0, T, 1, [&](int64_t lo, int64_t hi) {
     for (int64_t t = lo; t < hi; ++t) {  // hi > lo + 1 only where the region runs serially
