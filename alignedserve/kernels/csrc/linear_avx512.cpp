@@ -429,16 +429,17 @@ void part(const Problem& P, int64_t m0, int64_t m1, int64_t j0, int64_t j1) {
   auto group_end = [&](int64_t j) {
     return std::min(j1, (j / kPanelBlocks + 1) * kPanelBlocks);
   };
+  // Own steps of a tile (the half pair of an odd K has none) and the pull's rate, the same
+  // for every group.
+  const int64_t own = P.xw != nullptr ? P.KP : P.K / 2;
+  int shift = 0;
+  while (shift < 16 && row_tiles * ceil_div(own, int64_t{2} << shift) >= P.KP) ++shift;
+  const int64_t per_tile = ceil_div(own, int64_t{1} << shift);  // next-group steps a tile
   for (int64_t j = j0; j < j1;) {
     const int64_t j_end = group_end(j), cols = j_end - j;
     const auto [w, w_step] = block_at(P, j);
     const int64_t next = pull && j_end < j1 ? group_end(j_end) - j_end : 0;  // lines a step
     const auto [w_next, w_next_step] = next ? block_at(P, j_end) : std::pair{w, w_step};
-    // Own steps of a tile (the half pair of an odd K has none) and the pull's rate.
-    const int64_t own = P.xw != nullptr ? P.KP : P.K / 2;
-    int shift = 0;
-    while (shift < 16 && row_tiles * ceil_div(own, int64_t{2} << shift) >= P.KP) ++shift;
-    const int64_t per_tile = ceil_div(own, int64_t{1} << shift);  // next-group steps a tile
 #ifdef ALIGNEDSERVE_LINEAR_WIDE
     if (wide) widen_group(P, w, w_step, cols, scratch);
     const char* x_base = wide ? reinterpret_cast<const char*>(P.xw)
