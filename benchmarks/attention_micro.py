@@ -12,6 +12,7 @@ engine allocates them). hot: 8 rows of ``--hot-length`` tokens (1,000: ~6 MB in 
     python benchmarks/attention_micro.py --layout-ab [--length 640]
     python benchmarks/attention_micro.py --read-share [--rounds 4]
     python benchmarks/attention_micro.py --read-ahead-ab [BYTES ...] [--rounds 4]
+    python benchmarks/attention_micro.py --builds-ab NAME=CSRC_DIR ... [--rounds 6]
 
 --huge-pages-ab times 30 layers over 64 bf16 tiled rows of one length with the caches on huge
 pages (alignedserve.huge_pages, as the engine allocates them) and on torch's 4 KiB pages,
@@ -23,7 +24,12 @@ in turns, in one process, and prints each round's shares: the issue's "decode at
 KV at >= 80% of the read rate", with both sides measured in the same minute. --read-ahead-ab
 times the same cold calls with the dot-product kernel's read-ahead at each distance given
 (default 0 and 8192 bytes; avx512_bf16 path), in turns, with the huge-page read before each
-round, and prints each distance's median rate relative to the first.
+round, and prints each distance's median rate relative to the first. --builds-ab compiles each
+given copy of ``alignedserve/kernels/csrc`` (edited to try a change) with the path's flags,
+checks that every build's output equals the first's, then times each build in turns: hot
+(one thread, one 1,200-token row, which stays in L2; two threads, 8 rows of 1,000 tokens, L3)
+and cold (the 30-layer varied pass over huge pages, with the huge-page read before each
+round); it prints each build's median and its median ratio to the first build.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ import copy
 import functools
 import math
 import random
+import statistics
 import time
 from collections.abc import Callable
 
@@ -102,8 +109,10 @@ def main() -> None:
                         help="cold bf16 tiled calls against the plain read rate, in turns")
     parser.add_argument("--read-ahead-ab", nargs="*", type=int, metavar="BYTES",
                         help="read-ahead distances alternated (default: 0 8192)")
+    parser.add_argument("--builds-ab", nargs="+", metavar="NAME=CSRC_DIR",
+                        help="kernel source trees built and alternated (first: the baseline)")
     parser.add_argument("--rounds", type=int, default=4,
-                        help="rounds of --read-share or --read-ahead-ab")
+                        help="rounds of --read-share, --read-ahead-ab or --builds-ab")
     parser.add_argument("--huge-pages", action="store_true",
                         help="cold caches on huge pages (alignedserve.huge_pages)")
     parser.add_argument("--hot-length", type=int, default=1000, help="tokens per hot row")
@@ -121,6 +130,9 @@ def main() -> None:
     varied = [int(math.exp(rng.uniform(math.log(64), math.log(3072)))) + 128 for _ in range(64)]
     if args.read_share:
         read_share(kernels, varied, args.rounds)
+        return
+    if args.builds_ab:
+        builds_ab(kernels, varied, args.builds_ab, args.rounds)
         return
     if args.read_ahead_ab is not None:
         read_ahead_ab(kernels, varied, args.read_ahead_ab or [0, 8192], args.rounds)
@@ -214,6 +226,76 @@ def read_ahead_ab(kernels, lengths: list[int], distances: list[int], rounds: int
         print(f"read-ahead {d}: median {sorted(rates[d])[rounds // 2] / 1e9:.1f} GB/s, "
               f"median ratio to {distances[0]}: {ratios[rounds // 2]:.3f} "
               f"({ratios[0]:.3f}-{ratios[-1]:.3f})")
+
+
+def load_build(kernels, name: str, csrc: str):
+    """A private copy of ``kernels`` whose compiled ops come from the source tree ``csrc``
+    (all of the extension's sources, as in alignedserve/kernels/csrc), built with the path's
+    flags under the cache (``builds-ab/NAME``)."""
+    from torch.utils import cpp_extension
+
+    from alignedserve.kernels.build import SOURCES, build_flags, cache_root
+
+    build_dir = cache_root() / "builds-ab" / name
+    build_dir.mkdir(parents=True, exist_ok=True)
+    variant = copy.copy(kernels)
+    variant.ext = cpp_extension.load(
+        name=f"alignedserve_ab_{name}", sources=[f"{csrc}/{s}" for s in SOURCES],
+        extra_cflags=build_flags(kernels.path), extra_ldflags=["-fopenmp"],
+        extra_include_paths=[csrc], build_directory=str(build_dir), verbose=False)
+    return variant
+
+
+def builds_ab(kernels, lengths: list[int], specs: list[str], rounds: int) -> None:
+    """Hot and cold tiled bf16 calls of each build in turns (see the module docstring)."""
+    from roofline import read_rates
+
+    require_huge_pages()
+    if kernels.ext is None:
+        raise SystemExit("--builds-ab needs a compiled path")
+    builds = {}
+    for spec in specs:
+        name, _, csrc = spec.partition("=")
+        builds[name] = load_build(kernels, name, csrc)
+    check = [700, 33, 1500]  # a partial block, a short row, a row over two spans
+    q = torch.randn(len(check), HEADS, DIM, dtype=torch.bfloat16)
+    kv = torch.randn(len(check), KV_HEADS, DIM, dtype=torch.bfloat16)
+    caches = make_caches(torch.bfloat16, check, 1)
+    outs = {name: b.decode_attention(q, kv, kv, [c.clone() for c in caches],
+                                     torch.tensor(check), 0, DIM ** -0.5, True)
+            for name, b in builds.items()}
+    first = next(iter(outs.values()))
+    print("output equal to the first build's:",
+          ", ".join(f"{name} {torch.equal(out, first)}" for name, out in outs.items()))
+    cold = make_caches(torch.bfloat16, lengths, LAYERS, HugePageArena())
+    threads = torch.get_num_threads()
+
+    def hot(build, rows: int, length: int, n_threads: int) -> float:
+        torch.set_num_threads(n_threads)
+        try:
+            return min(run(build, torch.bfloat16, [length] * rows, 1, 200, True)
+                       for _ in range(3))
+        finally:
+            torch.set_num_threads(threads)
+
+    cases = {"hot, 1 thread, 1 x 1200 tokens (L2)": lambda b: hot(b, 1, 1200, 1),
+             f"hot, {threads} threads, 8 x 1000 tokens (L3)": lambda b: hot(b, 8, 1000, threads),
+             f"cold, {threads} threads, 30 layers x 64 varied rows": lambda b: run(
+                 b, torch.bfloat16, lengths, LAYERS, 3, True, cold)}
+    times = {case: {name: [] for name in builds} for case in cases}
+    reads = []
+    for r in range(rounds):
+        reads.append(read_rates()["huge pages"])
+        for case, fn in cases.items():
+            for name in (list(builds) if r % 2 else reversed(list(builds))):
+                times[case][name].append(fn(builds[name]))
+    print(f"huge-page read before each round: {', '.join(f'{x / 1e9:.1f}' for x in reads)} GB/s")
+    base = next(iter(builds))
+    for case, per_build in times.items():
+        print(case + ": " + "; ".join(
+            f"{name} {statistics.median(t) * 1e6:.1f} us (ratio "
+            f"{statistics.median(x / y for x, y in zip(t, per_build[base])):.3f})"
+            for name, t in per_build.items()))
 
 
 def layout_ab(kernels, length: int, rounds: int = 20) -> None:

@@ -122,6 +122,7 @@ class PartTimer:
         timer.wrap(PackedLinear, "forward", lambda args: f"linear {shape(args)}")
         timer.wrap(PackedLinear, "silu_mul", lambda args: f"linear+SiLU {shape(args)}")
         timer.wrap(PackedLinear, "rotary", lambda args: f"linear+RoPE {shape(args)}")
+        timer.wrap(PackedLinear, "argmax", lambda args: f"linear+argmax {shape(args)}")
         for name in ("rms_norm", "add_rms_norm", "rotary_qkv", "argmax_rows", "write_tiled",
                      "prefill_attention", "decode_attention"):
             timer.wrap(Kernels, name, name)

@@ -265,3 +265,53 @@ def test_pack_linears_packs_qkv_for_the_rotary_epilogue(compiled: Kernels) -> No
     ids = torch.randint(0, 256, (20,), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
         assert torch.equal(our_logits(model, ids), our_logits(plain, ids))
+
+
+@pytest.mark.parametrize("out_features,in_features,rows,bias_kind",
+                         [(49152, 576, 64, None), (1000, 577, 1, "bf16"), (4099, 64, 7, "fp32"),
+                          (777, 33, 130, "bf16"), (16, 2, 3, None)])
+def test_greedy_epilogue_is_the_argmax_of_the_lm_heads_logits(
+        compiled: Kernels, out_features: int, in_features: int, rows: int,
+        bias_kind: str | None) -> None:
+    """An LM head's greedy epilogue gives, per row, the index `argmax_rows` takes from the
+    head's bf16 logits (first maximum on ties, across the threads' column ranges too) without
+    storing them; rows do not depend on their batch; a NaN output, strided rows or a head
+    without the epilogue say None (the caller takes the logits)."""
+    gen = torch.Generator().manual_seed(out_features + rows)
+    weight = (torch.randn(out_features, in_features, generator=gen) * 0.1).bfloat16()
+    bias = {None: None, "bf16": torch.randn(out_features, generator=gen).bfloat16(),
+            "fp32": torch.randn(out_features, generator=gen)}[bias_kind]
+    x = torch.randn(rows, in_features, generator=gen).bfloat16()
+    # Ties: row 0's winner appears three times, once in each half of the columns (the two
+    # threads' ranges) and once near the end.
+    winner = x[0].float() * 8
+    for col in (out_features // 5, out_features // 2 + 3, out_features - 1):
+        weight[col] = winner.bfloat16()
+        if bias is not None:
+            bias[col] = 0
+    head = PackedLinear(weight, bias, compiled, lm_head=True)
+    want = compiled.argmax_rows(head(x))
+    if not compiled.avx512:
+        assert head.argmax(x) is None
+        return
+    got = head.argmax(x)
+    assert got == want
+    if out_features > 16:
+        assert got[0] == out_features // 5
+    assert head.argmax(x[rows // 2:]) == want[rows // 2:]
+    assert head.argmax(x[:, ::2]) is None  # strided rows
+    assert PackedLinear(weight, bias, compiled).argmax(x) is None  # not packed as a head
+    poisoned = weight.clone()
+    poisoned[out_features // 3, 0] = float("nan")
+    assert PackedLinear(poisoned, bias, compiled, lm_head=True).argmax(x) is None
+
+
+def test_greedy_steps_take_the_lm_heads_epilogue(compiled: Kernels) -> None:
+    """A packed model's greedy tokens come from the head's epilogue where the path has one,
+    and equal the sampler's argmax over `compute_logits`."""
+    model = ours_from_hf(tiny_hf_model()).bfloat16()
+    pack_linears(model, compiled)
+    hidden = torch.randn(5, model.config.hidden_size).bfloat16()
+    tokens = model.greedy_tokens(hidden)
+    want = compiled.argmax_rows(model.compute_logits(hidden, widen=False))
+    assert tokens == (want if compiled.avx512 else None)

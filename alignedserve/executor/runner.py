@@ -13,7 +13,7 @@ from alignedserve.executor.attention import PrefillSegment, StepAttention
 from alignedserve.executor.kv_pool import KVPool
 from alignedserve.executor.split_forward import SplitForward
 from alignedserve.model.loader import LoadedModel
-from alignedserve.model.sampler import Sampler, SamplingRow
+from alignedserve.model.sampler import SampleResult, Sampler, SamplingRow
 from alignedserve.request import Request
 from alignedserve.sched.plan import SampledToken, StepOutput, StepPlan
 
@@ -85,13 +85,23 @@ class ModelRunner:
         # sample_at is increasing, so as many entries as tokens means every row, in order (a
         # decode-only step): no gather.
         rows = hidden if len(sample_at) == len(ids) else hidden[sample_at]
-        logits = self.model.compute_logits(rows, widen=False)
-        result = self.sampler(logits, [self._row(r) for r in samplers])
+        result = self._sample(rows, [self._row(r) for r in samplers])
         return {
             r.request_id: SampledToken(result.token_ids[i], result.logprobs[i],
                                        result.top_logprobs[i])
             for i, r in enumerate(samplers)
         }
+
+    def _sample(self, rows: torch.Tensor, params: list[SamplingRow]) -> SampleResult:
+        """One token per row of final hidden states. Where every row is plain greedy the LM
+        head's greedy epilogue gives the tokens without storing the logits, if the head has
+        one (the same index as the sampler's argmax over the logits); otherwise the logits
+        go to the sampler."""
+        if self.sampler.plain_greedy(params, self.model.config.vocab_size):
+            tokens = self.model.greedy_tokens(rows)
+            if tokens is not None:
+                return self.sampler.greedy(tokens)
+        return self.sampler(self.model.compute_logits(rows, widen=False), params)
 
     @staticmethod
     def _splits(prompt_tokens: int, decode_rows: int) -> bool:

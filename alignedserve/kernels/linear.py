@@ -127,6 +127,7 @@ class PackedLinear(nn.Module):
         self.fused_swiglu = False
         self.fused_rotary_cols = 0
         self._kernel = None
+        self._argmax_kernel = None  # the greedy epilogue (`argmax`), for a plain-packed LM head
         tiles = None
         ext = kernels.ext
         if kernels.amx and self.out_features % 16 == 0 and self.in_features % 32 == 0:
@@ -152,6 +153,8 @@ class PackedLinear(nn.Module):
                     self.kernel_bias = swap_rotary_quarters(bias.detach(), rotary_cols)
             else:
                 tiles = pack(weight.detach())
+                if lm_head and kernels.avx512:
+                    self._argmax_kernel = ext.linear_avx512_argmax
             self.kernel_max_rows = _EVERY_ROW_COUNT
         self.register_buffer("tiles", tiles, persistent=False)
         self.packed_max_rows = (PACKED_MAX_ROWS if self.kernel_max_rows < PACKED_MAX_ROWS
@@ -203,6 +206,18 @@ class PackedLinear(nn.Module):
         if self.fused_swiglu and x.dim() == 2 and x.stride(1) == 1:
             return self._kernel(x, self._buffers["tiles"], self.kernel_bias, True)
         return None
+
+    def argmax(self, x: Tensor) -> list[int] | None:
+        """For each row of x [T, in], the index of the first maximum of this layer's bf16
+        output (the values `forward` returns), from the kernel's greedy epilogue, which never
+        stores the [T, out] product (an LM head's logits). None where this packing has no such
+        kernel, x is not dense rows, or an output is a NaN (the caller then takes `forward` and
+        its own argmax)."""
+        if self._argmax_kernel is None or x.dim() != 2 or x.stride(1) != 1 or not x.shape[0]:
+            return None
+        bias = self._parameters["bias"] if "bias" in self._parameters else self.bias
+        tokens = self._argmax_kernel(x, self._buffers["tiles"], bias).tolist()
+        return None if -1 in tokens else tokens
 
     def rotary(self, x: Tensor, cos: Tensor, sin: Tensor, num_heads: int,
                num_kv_heads: int) -> tuple[Tensor, Tensor, Tensor] | None:

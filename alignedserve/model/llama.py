@@ -255,6 +255,13 @@ class LlamaForCausalLM(nn.Module):
                   else self.lm_head(hidden))
         return logits.float() if widen else logits
 
+    def greedy_tokens(self, hidden: Tensor) -> list[int] | None:
+        """[N, hidden] -> each row's greedy token (the first maximum of its logits, as the
+        sampler's argmax picks it), from the LM head's greedy epilogue, which never stores the
+        logits; None where the head has none (then `compute_logits` and the sampler)."""
+        argmax = getattr(self.lm_head, "argmax", None)
+        return argmax(hidden) if argmax is not None else None
+
     def reset_rotary(self) -> None:
         """Recompute ``rope_cache`` in float32 on the parameters' device (needed after
         ``to_empty()``, which leaves buffers uninitialised)."""

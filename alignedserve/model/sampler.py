@@ -93,7 +93,7 @@ class Sampler:
         """Sample one token per row. ``logits``: [len(rows), vocab], any float dtype; everything
         but plain greedy widens them to float32 first (the argmax is the same either way)."""
         _check_shape(logits, rows)
-        if all(_is_plain_greedy(row, logits.shape[1]) for row in rows):
+        if self.plain_greedy(rows, logits.shape[1]):
             return self._greedy_fast(logits)
         # half-precision softmax/cumsum loses too much mass resolution
         logits = logits.float().contiguous()
@@ -102,6 +102,18 @@ class Sampler:
             stop = start + self._chunk_rows
             result.extend(self._sample_chunk(logits[start:stop], rows[start:stop]))
         return result
+
+    @staticmethod
+    def plain_greedy(rows: list[SamplingRow], vocab: int) -> bool:
+        """Whether every row takes the argmax of its raw logits and asks for nothing else
+        (no log-probs, penalties or banned tokens): then the argmax is the whole result, and a
+        caller may take it from anywhere that gives the same index (`greedy`)."""
+        return all(_is_plain_greedy(row, vocab) for row in rows)
+
+    @staticmethod
+    def greedy(tokens: list[int]) -> SampleResult:
+        """The result for plain-greedy rows whose argmax ``tokens`` are known."""
+        return SampleResult(tokens, [None] * len(tokens), [None] * len(tokens))
 
     def _greedy_fast(self, logits: torch.Tensor) -> SampleResult:
         """All rows plain greedy: a max per row; no log-probs (nobody asked for them). Runs on
@@ -112,8 +124,7 @@ class Sampler:
             return SampleResult([], [], [])
         # One vectorised pass per row where the path has the kernel; max (not argmax, slower
         # on CPU) otherwise. Either way the first max wins ties.
-        tokens = self._kernels.argmax_rows(logits)
-        return SampleResult(tokens, [None] * n, [None] * n)
+        return self.greedy(self._kernels.argmax_rows(logits))
 
     def _sample_chunk(self, raw: torch.Tensor, rows: list[SamplingRow]) -> SampleResult:
         x = process_logits(raw, rows)

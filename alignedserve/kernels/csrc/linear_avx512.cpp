@@ -31,6 +31,10 @@
 //            (the product to bf16 first, then rotary_row's arithmetic, vec.h), so the result
 //            is bit-identical to the two calls. Without rotary such a packing's product comes
 //            out in the packed order (the caller restores it).
+//   greedy : linear_avx512_argmax: instead of out, each row's index of the first maximum of
+//            its bf16 outputs (exactly the values out would hold), or -1 where one of them is
+//            a NaN; the same index as fused.cpp's argmax_rows over out. The [M, N] product
+//            (an LM head's logits) is never stored.
 //
 // Arithmetic, and why a row's result does not depend on its batch: every output element
 // y[m, n] is one fp32 accumulator that starts at +0 and takes, for p = 0, 1, ..., KP - 1 in
@@ -70,10 +74,13 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <iterator>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <tuple>
 #include <utility>
+#include <vector>
 
 #include "bf16_pairs.h"  // vdpbf16ps, or its AVX-512F equivalent (the avx512 path)
 #include "checks.h"
@@ -108,6 +115,15 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 // takes two registers (bf16::Pairs without AVX512-BF16; see "Speed" above).
 constexpr int kRows = bf16::kNativeDot ? 6 : 5;
 
+// The greedy epilogue's state of one row over one thread's columns: per lane, the largest
+// rounded output seen so far and its column (the first such: columns come in ascending order
+// and only a strictly larger value replaces it), and the lanes that saw a NaN.
+struct alignas(64) RowMax {
+  float best[kBlock];
+  int32_t at[kBlock];
+  uint32_t nan;
+};
+
 struct Problem {
   const uint16_t* x;  // [M, K], row stride x_stride (elements)
   int64_t x_stride;
@@ -124,6 +140,8 @@ struct Problem {
   const uint16_t* cos = nullptr;
   const uint16_t* sin = nullptr;
   int64_t cos_stride = 0, sin_stride = 0;
+  // Greedy epilogue (file comment): rows [0, M) of this part's columns; out is then null.
+  RowMax* row_max = nullptr;
 };
 
 // Where block j's step 0 lies, and how many elements apart its steps are (its panel's width
@@ -165,7 +183,7 @@ struct Ahead {
 template <int R, int C>
 inline __attribute__((always_inline)) void pull(const Problem& P, int64_t m, int64_t col,
                                                 const Ahead& ahead, int64_t p, int64_t full) {
-  if (p == std::max<int64_t>(0, full - 32))
+  if (P.out && p == std::max<int64_t>(0, full - 32))
     for (int r = 0; r < R; ++r) {
       const char* o = reinterpret_cast<const char*>(out_at_row(P, m + r, col));
       const int64_t bytes = (P.swiglu ? C / 2 : C) * kBlock * 2;
@@ -212,6 +230,35 @@ inline __attribute__((always_inline)) void rotate(const Problem& P, int64_t m, i
   }
 }
 
+// The greedy epilogue (file comment): each output rounded as the linear stores it, compared
+// lane by lane with its row's state (only the valid columns of a block).
+template <int R, int C>
+inline __attribute__((always_inline)) void track_max(const Problem& P, int64_t m, int64_t col,
+                                                     __m512 (&acc)[R][C],
+                                                     const __m512 (&bias)[C],
+                                                     const __mmask16 (&mask)[C]) {
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+#pragma GCC unroll 6
+  for (int r = 0; r < R; ++r) {
+    RowMax& s = P.row_max[m + r];
+    __m512 best = _mm512_load_ps(s.best);
+    __m512i at = _mm512_load_si512(s.at);
+    __mmask16 nan = static_cast<__mmask16>(s.nan);
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) {
+      const __m512 v = rounded(_mm512_add_ps(acc[r][c], bias[c])).r;
+      nan |= _mm512_mask_cmp_ps_mask(mask[c], v, v, _CMP_UNORD_Q);
+      const __mmask16 up = _mm512_mask_cmp_ps_mask(mask[c], v, best, _CMP_GT_OQ);
+      best = _mm512_mask_mov_ps(best, up, v);
+      at = _mm512_mask_mov_epi32(
+          at, up, _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int>(col + c * kBlock))));
+    }
+    _mm512_store_ps(s.best, best);
+    _mm512_store_si512(s.at, at);
+    s.nan = nan;
+  }
+}
+
 // Bias (or +0), one rounding, store of a tile's accumulators; inlined so they stay in
 // registers.
 template <int R, int C>
@@ -235,6 +282,10 @@ inline __attribute__((always_inline)) void finish(const Problem& P, int64_t m, i
     } else {
       bias[c] = _mm512_maskz_loadu_ps(mask[c], static_cast<const float*>(P.bias) + cc);
     }
+  }
+  if (P.row_max) {
+    track_max<R, C>(P, m, col, acc, bias, mask);
+    return;
   }
   if (P.swiglu) {  // C is even here: blocks (gate, up) side by side, full (N % 32 == 0)
 #pragma GCC unroll 6
@@ -522,10 +573,35 @@ at::Tensor pack_weight_avx512(const at::Tensor& w) {
   return packed;
 }
 
-at::Tensor linear_avx512(const at::Tensor& x, const at::Tensor& packed,
-                         const std::optional<at::Tensor>& bias_opt, bool swiglu,
-                         const std::optional<at::Tensor>& cos_opt,
-                         const std::optional<at::Tensor>& sin_opt, int64_t rotary_cols) {
+#ifdef ALIGNEDSERVE_LINEAR_AVX512
+// Row m's greedy token from the parts' states (parts in column order): a part's first maximum
+// is the smallest column among the lanes holding its largest value; a later part wins only
+// with a strictly larger one. -1 where any part saw a NaN.
+int64_t first_max(const RowMax* states, int64_t parts, int64_t M, int64_t m) {
+  int64_t token = 0;
+  float top = 0.0f;
+  for (int64_t j = 0; j < parts; ++j) {
+    const RowMax& s = states[j * M + m];
+    if (s.nan) return -1;
+    const __m512 best = _mm512_load_ps(s.best);
+    const float t = _mm512_reduce_max_ps(best);
+    if (j == 0 || t > top) {
+      const __mmask16 holders = _mm512_cmp_ps_mask(best, _mm512_set1_ps(t), _CMP_EQ_OQ);
+      top = t;
+      token = _mm512_mask_reduce_min_epi32(holders, _mm512_load_si512(s.at));
+    }
+  }
+  return token;
+}
+#endif
+
+// linear_avx512, or with `greedy` each row's first-maximum index (file comment) in place of
+// the product.
+at::Tensor run_linear(const at::Tensor& x, const at::Tensor& packed,
+                      const std::optional<at::Tensor>& bias_opt, bool swiglu,
+                      const std::optional<at::Tensor>& cos_opt,
+                      const std::optional<at::Tensor>& sin_opt, int64_t rotary_cols,
+                      bool greedy) {
   TORCH_CHECK_VALUE(available(), "linear_avx512: this build has no AVX-512 kernel");
   const auto [N, K] = checks::packed_shape(packed, kMagic, kBlock, "linear_avx512",
                                            "pack_weight_avx512");
@@ -551,7 +627,8 @@ at::Tensor linear_avx512(const at::Tensor& x, const at::Tensor& packed,
                         t->sizes(), " strides ", t->strides());
   }
   const int64_t out_cols = swiglu ? N / 2 : N;
-  at::Tensor out = at::empty({M, out_cols}, x.options());
+  at::Tensor out = greedy ? at::empty({M}, x.options().dtype(at::kLong))
+                          : at::empty({M, out_cols}, x.options());
 #ifdef ALIGNEDSERVE_LINEAR_AVX512
   if (M == 0) return out;
   // One row (or K == 1) may come with any strides; make it dense.
@@ -598,7 +675,7 @@ at::Tensor linear_avx512(const at::Tensor& x, const at::Tensor& packed,
             reinterpret_cast<const uint16_t*>(packed.data_ptr()),
             bias.defined() ? bias.data_ptr() : nullptr,
             bias.defined() && bias.scalar_type() == at::kBFloat16,
-            reinterpret_cast<uint16_t*>(out.data_ptr()),
+            greedy ? nullptr : reinterpret_cast<uint16_t*>(out.data_ptr()),
             M, N, K, ceil_div(K, 2), swiglu, out_cols, widened_rows(rows, x_stride, M, K)};
   if (rotary_cols > 0) {
     P.rotary_cols = rotary_cols;
@@ -612,15 +689,41 @@ at::Tensor linear_avx512(const at::Tensor& x, const at::Tensor& packed,
   // With swiglu a thread's blocks start and end on (gate, up) pair boundaries, with rotary on
   // (x1, x2) pair boundaries (N is then a multiple of 32 columns: an even count of blocks).
   const int64_t unit = swiglu || rotary_cols > 0 ? 2 : 1, units = NB / unit;
+  // Greedy: one state per row for each of the tn column ranges (a part's rows own theirs).
+  std::vector<RowMax> states(greedy ? tn * M : 0);
+  for (RowMax& s : states) {
+    std::fill(std::begin(s.best), std::end(s.best), -std::numeric_limits<float>::infinity());
+    std::fill(std::begin(s.at), std::end(s.at), 0);
+    s.nan = 0;
+  }
   at::parallel_for(0, T, 1, [&](int64_t lo, int64_t hi) {
     for (int64_t t = lo; t < hi; ++t) {  // hi > lo + 1 only where the region runs serially
       const int64_t i = t / tn, jn = t % tn;
-      part(P, M * i / tm, M * (i + 1) / tm, unit * (units * jn / tn),
+      Problem own = P;
+      if (greedy) own.row_max = states.data() + jn * M;
+      part(own, M * i / tm, M * (i + 1) / tm, unit * (units * jn / tn),
            unit * (units * (jn + 1) / tn));
     }
   });
+  if (greedy) {
+    int64_t* tokens = out.data_ptr<int64_t>();
+    for (int64_t m = 0; m < M; ++m) tokens[m] = first_max(states.data(), tn, M, m);
+  }
 #endif
   return out;
+}
+
+at::Tensor linear_avx512(const at::Tensor& x, const at::Tensor& packed,
+                         const std::optional<at::Tensor>& bias_opt, bool swiglu,
+                         const std::optional<at::Tensor>& cos_opt,
+                         const std::optional<at::Tensor>& sin_opt, int64_t rotary_cols) {
+  return run_linear(x, packed, bias_opt, swiglu, cos_opt, sin_opt, rotary_cols, false);
+}
+
+// The greedy epilogue's call (file comment): an LM head's greedy tokens without its logits.
+at::Tensor linear_avx512_argmax(const at::Tensor& x, const at::Tensor& packed,
+                                const std::optional<at::Tensor>& bias) {
+  return run_linear(x, packed, bias, false, std::nullopt, std::nullopt, 0, true);
 }
 
 // The rotary epilogue's call as the attention takes it: views (q [M, H, 64], k and v
@@ -662,6 +765,11 @@ void register_linear_avx512(pybind11::module_& m) {
         "columns (heads of 64 dims), applied to the result.",
         arg("x"), arg("packed"), arg("bias") = pybind11::none(), arg("swiglu") = false,
         arg("cos") = pybind11::none(), arg("sin") = pybind11::none(), arg("rotary_cols") = 0);
+  m.def("linear_avx512_argmax", &linear_avx512_argmax, kReleaseGil,
+        "int64 [M]: for each row of x . W^T + bias (bf16, as linear_avx512 rounds it), the "
+        "index of its first maximum, or -1 where the row holds a NaN; the product is never "
+        "stored (an LM head's greedy tokens without the logits).",
+        arg("x"), arg("packed"), arg("bias") = pybind11::none());
   m.def("linear_avx512_rotary_qkv", &linear_avx512_rotary_qkv, kReleaseGil,
         "linear_avx512 with the rotary epilogue on the q and k heads (64 dims each) of a qkv "
         "projection packed for it; views (q, k, v) of the product.",
