@@ -257,7 +257,7 @@ def builds_ab(kernels, lengths: list[int], specs: list[str], rounds: int) -> Non
     for spec in specs:
         name, _, csrc = spec.partition("=")
         builds[name] = load_build(kernels, name, csrc)
-    check = [700, 33, 1500]  # a partial block, a short row, a row over two spans
+    check = [700, 33, 2500]  # a partial last block, a short row, a row cut into two spans
     q = torch.randn(len(check), HEADS, DIM, dtype=torch.bfloat16)
     kv = torch.randn(len(check), KV_HEADS, DIM, dtype=torch.bfloat16)
     caches = make_caches(torch.bfloat16, check, 1)
