@@ -101,6 +101,8 @@ class ModelRunner:
             tokens = self.model.greedy_tokens(rows)
             if tokens is not None:
                 return self.sampler.greedy(tokens)
+            # The rows are known plain greedy: the sampler need not check them again.
+            return self.sampler.greedy_logits(self.model.compute_logits(rows, widen=False))
         return self.sampler(self.model.compute_logits(rows, widen=False), params)
 
     @staticmethod

@@ -127,6 +127,7 @@ class PackedLinear(nn.Module):
         self.fused_swiglu = False
         self.fused_rotary_cols = 0
         self._kernel = None
+        self._rotary_kernel = None  # the rotary epilogue (`rotary`), for a rotary packing
         self._argmax_kernel = None  # the greedy epilogue (`argmax`), for a plain-packed LM head
         tiles = None
         ext = kernels.ext
@@ -147,7 +148,7 @@ class PackedLinear(nn.Module):
                 if bias is not None:
                     self.kernel_bias = interleave_gate_up(bias.detach())
             elif self.fused_rotary_cols:
-                self._rotary_kernel = kernels.ext.linear_avx512_rotary_qkv
+                self._rotary_kernel = ext.linear_avx512_rotary_qkv
                 tiles = pack(swap_rotary_quarters(weight.detach(), rotary_cols))
                 if bias is not None:
                     self.kernel_bias = swap_rotary_quarters(bias.detach(), rotary_cols)

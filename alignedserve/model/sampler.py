@@ -94,7 +94,7 @@ class Sampler:
         but plain greedy widens them to float32 first (the argmax is the same either way)."""
         _check_shape(logits, rows)
         if self.plain_greedy(rows, logits.shape[1]):
-            return self._greedy_fast(logits)
+            return self.greedy_logits(logits)
         # half-precision softmax/cumsum loses too much mass resolution
         logits = logits.float().contiguous()
         result = SampleResult([], [], [])
@@ -115,7 +115,7 @@ class Sampler:
         """The result for plain-greedy rows whose argmax ``tokens`` are known."""
         return SampleResult(tokens, [None] * len(tokens), [None] * len(tokens))
 
-    def _greedy_fast(self, logits: torch.Tensor) -> SampleResult:
+    def greedy_logits(self, logits: torch.Tensor) -> SampleResult:
         """All rows plain greedy: a max per row; no log-probs (nobody asked for them). Runs on
         the logits' own dtype: widening to float32 is exact, so the argmax (first max on ties)
         is the same, and the widening pass over a 49k-wide row is skipped."""
