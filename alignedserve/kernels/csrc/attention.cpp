@@ -59,7 +59,6 @@
 
 #include <algorithm>
 #include <array>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -78,6 +77,7 @@
 #include "amx.h"  // defines ALIGNEDSERVE_AMX where the build targets AMX-BF16
 #include "release_gil.h"
 #include "tiled_layout.h"
+#include "work_queue.h"
 
 namespace alignedserve {
 namespace {
@@ -938,21 +938,18 @@ Prefetcher prefetch_for(const Problem& P, const Item& cur, const Item* next,
   return pf;
 }
 
-// One task per thread; each pulls the next-longest item until none are left (dynamic LPT).
-// A thread claims its next item before computing the current one, so it can prefetch it.
+// The threads pull items longest first (work_queue.h), each claiming its next item before
+// computing the current one, so it can prefetch it.
 template <typename E, int NC, bool Pairs>
 void run_items(const Problem& P, const Plan& plan) {
-  std::atomic<int64_t> next{0};
   const auto n_items = static_cast<int64_t>(plan.items.size());
-  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+  each_thread_pulls([&](auto claim) {
     Scratch scratch(P.group, P.dim, plan.max_span);
-    for (int64_t i = next.fetch_add(1); i < n_items;) {
-      const int64_t following = next.fetch_add(1);
+    for_each_claimed_ahead(claim, n_items, [&](int64_t i, int64_t following) {
       Prefetcher pf = prefetch_for<E>(P, plan.items[i],
                                       following < n_items ? &plan.items[following] : nullptr);
       run_item<E, NC, Pairs>(P, plan.items[i], scratch, pf);
-      i = following;
-    }
+    });
   });
 }
 
@@ -988,21 +985,19 @@ constexpr int64_t kPairBlock = 32;  // tokens per P.V round (a tile's pair depth
 // row unit.
 constexpr int64_t kTiledMaxHeads = 16;
 
-// One thread's share of a tiled call: it pulls the next-longest item until none are left (as
-// run_items), and hands `run(item, next, scores_pf, values_pf)` its next item (or null) and
+// One thread's share of a tiled call: it pulls items with `claim` (as run_items), and hands `run(item, next, scores_pf, values_pf)` its next item (or null) and
 // two prefetchers, each measured faster on huge-page caches (alternating runs, docs/results/):
 // the item's own V during its score blocks (as for token-major bf16), the next item's whole K
 // during its value rounds of kPairBlock tokens; each paced in `slices` requests per score
 // block or value round. (On 4 KiB pages, asking for the next K, or for the next round's lines
 // into L1, had measured no gain.) slices == 0 hands two empty prefetchers (the dot-product
 // kernel, which has its own read-ahead: see "Software prefetch").
-template <typename RunItem>
-void pull_tiled_items(const Problem& P, const Plan& plan, std::atomic<int64_t>& next,
-                      int64_t slices, RunItem&& run) {
+template <typename Claim, typename RunItem>
+void pull_tiled_items(const Problem& P, const Plan& plan, Claim&& claim, int64_t slices,
+                      RunItem&& run) {
   const auto n_items = static_cast<int64_t>(plan.items.size());
-  for (int64_t i = next.fetch_add(1); i < n_items;) {
+  for_each_claimed_ahead(claim, n_items, [&](int64_t i, int64_t following) {
     const Item& it = plan.items[i];
-    const int64_t following = next.fetch_add(1);
     Prefetcher scores_pf, values_pf;
     if (slices > 0) scores_pf = prefetch_for<uint16_t>(P, it, nullptr, slices);
     if (slices > 0 && following < n_items) {  // never longer than `it`: sorted longest first
@@ -1011,8 +1006,7 @@ void pull_tiled_items(const Problem& P, const Plan& plan, std::atomic<int64_t>& 
                     (it.end - it.begin + kPairBlock - 1) / kPairBlock * slices);
     }
     run(it, following < n_items ? &plan.items[following] : nullptr, scores_pf, values_pf);
-    i = following;
-  }
+  });
 }
 
 // Prefetch requests per K block (score pass) and per P.V round of kPairBlock tokens (value
@@ -1415,12 +1409,10 @@ void run_unit(const Problem& P, const Item* items, TiledScratch& s) {
 void run_units(const Problem& P, const Plan& plan) {
   const Item* items = plan.items.data();
   const auto n_units = static_cast<int64_t>(plan.items.size()) / P.kv_heads;
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+  each_thread_pulls([&](auto claim) {
     TiledScratch scratch(P.group * P.kv_heads, plan.max_span);
-    for (int64_t u = next.fetch_add(1); u < n_units; u = next.fetch_add(1)) {
-      run_unit(P, items + u * P.kv_heads, scratch);
-    }
+    for_each_claimed(claim, n_units,
+                     [&](int64_t u) { run_unit(P, items + u * P.kv_heads, scratch); });
   });
 }
 
@@ -1474,13 +1466,12 @@ void run_item_tiled(const Problem& P, const Item& it, const Item* next, TiledScr
 // kAmx: tile products (needs amx::available()).
 template <bool kAmx>
 void run_items_tiled(const Problem& P, const Plan& plan) {
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+  each_thread_pulls([&](auto claim) {
 #ifdef ALIGNEDSERVE_AMX
     if constexpr (kAmx) configure_tiled_tiles(P.group);
 #endif
     TiledScratch scratch(P.group, plan.max_span);
-    pull_tiled_items(P, plan, next, kAmx ? 1 : 0,
+    pull_tiled_items(P, plan, claim, kAmx ? 1 : 0,
                      [&](const Item& it, const Item* nx, Prefetcher& scores_pf,
                          Prefetcher& values_pf) {
       run_item_tiled<kAmx>(P, it, nx, scratch, scores_pf, values_pf);
@@ -1635,10 +1626,9 @@ void run_item_tiled_fma(const Problem& P, const Item& it, Scratch& s, Prefetcher
 }
 
 void run_items_tiled_fma(const Problem& P, const Plan& plan) {
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+  each_thread_pulls([&](auto claim) {
     Scratch scratch(P.group, kTiledDim, plan.max_span);
-    pull_tiled_items(P, plan, next, kPrefetchSlices, [&](const Item& it, const Item*,
+    pull_tiled_items(P, plan, claim, kPrefetchSlices, [&](const Item& it, const Item*,
                                                          Prefetcher& scores_pf,
                                                          Prefetcher& values_pf) {
       run_item_tiled_fma(P, it, scratch, scores_pf, values_pf);

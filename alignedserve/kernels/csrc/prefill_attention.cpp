@@ -36,7 +36,6 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -46,6 +45,7 @@
 #include "checks.h"
 #include "release_gil.h"
 #include "tiled_layout.h"
+#include "work_queue.h"
 
 namespace alignedserve {
 namespace {
@@ -420,13 +420,12 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_in, const 
             T, H, KVH, D, S, start, s_pad, H / KVH,
             static_cast<float>(scale) * kLog2e};
   const int64_t q_blocks = (T + kQ - 1) / kQ, items = q_blocks * KVH;
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+  each_thread_pulls([&](auto claim) {
     amx::configure_tiles();
     Scratch scratch(P);
-    for (int64_t i = next.fetch_add(1); i < items; i = next.fetch_add(1)) {
+    for_each_claimed(claim, items, [&](int64_t i) {
       run_item(P, i / q_blocks, q_blocks - 1 - i % q_blocks, scratch);  // most keys first
-    }
+    });
     _tile_release();
   });
 #endif

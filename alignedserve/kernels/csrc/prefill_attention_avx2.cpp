@@ -71,7 +71,6 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -82,6 +81,7 @@
 #include "checks.h"
 #include "release_gil.h"
 #include "tiled_layout.h"
+#include "work_queue.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #define ALIGNEDSERVE_PREFILL_AVX2 1
@@ -650,16 +650,15 @@ at::Tensor prefill_attention_avx2(const at::Tensor& q, const at::Tensor& k, cons
     return Item{g, qb * qi, static_cast<int>(std::min(qi, T - qb * qi)),
                 static_cast<int>((rest % splits) * per_split), per_split};
   };
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+  each_thread_pulls([&](auto claim) {
     Scratch scratch(P);
-    for (int64_t i = next.fetch_add(1); i < items; i = next.fetch_add(1)) {
+    for_each_claimed(claim, items, [&](int64_t i) {
       if (tiled) {
         run_item<TiledKeys, TiledValues>(P, item_at(i), scratch);
       } else {
         run_item<TokenRows, TokenRows>(P, item_at(i), scratch);
       }
-    }
+    });
   });
 #endif
   return out;

@@ -66,7 +66,6 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -79,6 +78,7 @@
 #include "checks.h"
 #include "release_gil.h"
 #include "tiled_layout.h"
+#include "work_queue.h"
 
 #if defined(ALIGNEDSERVE_AVX512)
 #define ALIGNEDSERVE_PREFILL_AVX512 1
@@ -730,12 +730,9 @@ at::Tensor prefill_attention_avx512(const at::Tensor& q, const at::Tensor& k, co
     const int64_t qb = qb_count - 1 - rest / parts;  // most keys first
     return Item{g, qb, static_cast<int>((rest % parts) * per_part), per_part};
   };
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+  each_thread_pulls([&](auto claim) {
     Scratch scratch(P);
-    for (int64_t i = next.fetch_add(1); i < items; i = next.fetch_add(1)) {
-      run_item(P, item_at(i), scratch);
-    }
+    for_each_claimed(claim, items, [&](int64_t i) { run_item(P, item_at(i), scratch); });
   });
 #endif
   return out;
