@@ -45,7 +45,9 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_the_wheel_holds_every_kernel_source(wheel: Path):
     names = set(zipfile.ZipFile(wheel).namelist())
-    for source in (*build.SOURCES, "amx.h", "checks.h"):
+    headers = sorted(h.name for h in build.CSRC.glob("*.h"))
+    assert {"amx.h", "checks.h", "work_queue.h"} <= set(headers)
+    for source in (*build.SOURCES, *headers):
         assert f"alignedserve/kernels/csrc/{source}" in names, source
 
 
