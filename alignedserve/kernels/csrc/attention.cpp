@@ -1273,6 +1273,21 @@ inline void dp_value_pair(const uint32_t* p, int64_t p_stride, const uint16_t* v
   }
 }
 
+// acc += P.V over the V pairs [i0, i1) of one kv head's plane `v` (`p`: its heads' probability
+// pairs, rows p_stride apart), then, with `odd_tail`, the span's last token alone: pair i1 (=
+// n / 2), its first-token halves kept. `ahead` (if any) steps once per line read.
+template <int NH>
+inline void dp_value_pairs(const uint32_t* p, int64_t p_stride, const uint16_t* v, int64_t i0,
+                           int64_t i1, bool odd_tail, __m512 (&acc)[NH][4], ReadAhead* ahead) {
+  for (int64_t i = i0; i < i1; ++i) {
+    if (ahead) {
+      for (int line = 0; line < 4; ++line) ahead->step();  // a V pair is four lines
+    }
+    dp_value_pair<NH>(p + i, p_stride, v + i * 2 * kTiledDim, ~__mmask32{0}, acc);
+  }
+  if (odd_tail) dp_value_pair<NH>(p + i1, p_stride, v + i1 * 2 * kTiledDim, 0x55555555u, acc);
+}
+
 // Pass 3 with dot products: s.acc[h][d] = sum_t p[h][t] v[t][d] over the span's (n + 1) / 2
 // token pairs, read in ascending order. Heads go in chunks of up to 6 (24 accumulators in
 // registers). As in dp_scores, `ahead` steps once per line the first chunk reads.
@@ -1292,15 +1307,7 @@ void dp_values(const uint16_t* v, int64_t n, int64_t padded, int64_t group, Tile
       for (auto& head : acc) {
         for (__m512& a : head) a = _mm512_setzero_ps();
       }
-      for (int64_t i = 0; i < pairs; ++i) {
-        if (ra) {
-          for (int line = 0; line < 4; ++line) ra->step();  // a V pair is four lines
-        }
-        dp_value_pair<NH>(p + i, p_stride, v + i * 2 * kTiledDim, ~__mmask32{0}, acc);
-      }
-      if (n % 2) {  // the last token alone: keep the even (first-token) halves of its pair
-        dp_value_pair<NH>(p + pairs, p_stride, v + pairs * 2 * kTiledDim, 0x55555555u, acc);
-      }
+      dp_value_pairs<NH>(p, p_stride, v, 0, pairs, n % 2, acc, ra);
       for (int h = 0; h < NH; ++h) {
         for (int c = 0; c < 4; ++c) {
           _mm512_storeu_ps(s.acc + (h0 + h) * kTiledDim + c * kLanes, acc[h][c]);
@@ -1356,13 +1363,8 @@ void dp_unit_values(const uint16_t* const* v, int64_t kv, int64_t n, int64_t pad
     for (int h = 0; h < NH; ++h) {
       for (int c = 0; c < 4; ++c) acc[h][c] = _mm512_loadu_ps(a + h * kTiledDim + c * kLanes);
     }
-    const uint32_t* p = probs + g * NH * p_stride;
-    for (int64_t i = i0; i < i1; ++i) {
-      dp_value_pair<NH>(p + i, p_stride, v[g] + i * 2 * kTiledDim, ~__mmask32{0}, acc);
-    }
-    if (odd_tail) {
-      dp_value_pair<NH>(p + pairs, p_stride, v[g] + pairs * 2 * kTiledDim, 0x55555555u, acc);
-    }
+    dp_value_pairs<NH>(probs + g * NH * p_stride, p_stride, v[g], i0, i1, odd_tail, acc,
+                       nullptr);
     for (int h = 0; h < NH; ++h) {
       for (int c = 0; c < 4; ++c) _mm512_storeu_ps(a + h * kTiledDim + c * kLanes, acc[h][c]);
     }
