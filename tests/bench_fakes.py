@@ -4,7 +4,8 @@
 step, has_unfinished, abort_request, stats, close): every step adds one token to every
 request, after ``step_s`` seconds. ``FakeOpenAIServer`` streams ``/v1/completions`` like
 vLLM (one token per chunk, a final usage chunk, ``[DONE]``) and serves ``/v1/models`` and
-``/metrics``; ``short_by`` makes it return fewer tokens than asked, to test the count check.
+``/metrics``; ``short_by`` makes it return fewer tokens than asked, to test the count check,
+and ``first_text`` sets the first chunk's text (e.g. one long line)
 """
 
 from __future__ import annotations
@@ -137,7 +138,8 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         for i in range(n):
             time.sleep(self.server.token_s)
-            chunk = {"choices": [{"index": 0, "text": f"t{i} ", "finish_reason": None}]}
+            text = self.server.first_text if i == 0 and self.server.first_text else f"t{i} "
+            chunk = {"choices": [{"index": 0, "text": text, "finish_reason": None}]}
             self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
             self.wfile.flush()
         usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": n}
@@ -149,8 +151,9 @@ class FakeOpenAIServer(ThreadingHTTPServer):
     daemon_threads = True
 
     def __init__(self, token_s: float = 0.002, short_by: int = 0, max_prompt: int = 1000,
-                 send_usage: bool = True):
+                 send_usage: bool = True, first_text: str = ""):
         super().__init__(("127.0.0.1", 0), _Handler)
+        self.first_text = first_text
         self.token_s, self.short_by, self.max_prompt = token_s, short_by, max_prompt
         self.send_usage = send_usage
         self.bodies: list[dict[str, Any]] = []

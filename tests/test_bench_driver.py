@@ -114,6 +114,13 @@ def test_http_counts_chunks_without_usage_and_reports_http_errors():
     assert not bad.ok and bad.error.startswith("HTTP 400: prompt too long")
 
 
+def test_http_reads_a_chunk_longer_than_a_default_read_buffer():
+    # One SSE line of ~1 MB (aiohttp's default buffer would refuse a line over 128 KiB).
+    with FakeOpenAIServer(first_text="x" * (1 << 20)) as server:
+        rec = run_http(HttpTarget(server.url), make_load([(10, 3)]), "f", False).records[0]
+    assert rec.ok and rec.output_len == 3 and len(rec.chunk_times) == 3
+
+
 def test_http_unreachable_server_is_a_clear_error():
     with FakeOpenAIServer() as server:
         url = server.url

@@ -9,5 +9,5 @@ Modules, one job each:
 * ``report`` / ``plots``: raw JSON, markdown summary, PNG plots;
 * ``runner`` / ``cli``: targets x rates x rounds, ratios against a baseline, the command line.
 
-Importing this package is cheap: torch, httpx and matplotlib are imported where they are used.
+Importing this package is cheap: torch, aiohttp and matplotlib are imported where they are used.
 """

@@ -1,6 +1,6 @@
 """``alignedserve bench``: the command line of the benchmark tool.
 
-Registers the subcommand with ``add_parser(subparsers)``; everything heavy (httpx, torch,
+Registers the subcommand with ``add_parser(subparsers)``; everything heavy (aiohttp, torch,
 matplotlib, the engine) is imported only when a benchmark actually runs.
 """
 

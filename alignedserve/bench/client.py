@@ -47,9 +47,9 @@ class TargetUnavailable(RuntimeError):
 
 async def detect_model(client: Any, target: HttpTarget) -> str:
     try:
-        resp = await client.get(f"{target.base}/v1/models", headers=target.headers)
-        resp.raise_for_status()
-        return resp.json()["data"][0]["id"]
+        async with client.get(f"{target.base}/v1/models", headers=target.headers) as resp:
+            resp.raise_for_status()
+            return (await resp.json(content_type=None))["data"][0]["id"]
     except Exception as exc:  # any failure here means we cannot benchmark this target
         raise TargetUnavailable(f"{target.base}: cannot list models ({exc}); is the server "
                                 f"up? (pass --model-name to skip detection)") from exc
@@ -58,10 +58,13 @@ async def detect_model(client: Any, target: HttpTarget) -> str:
 async def scrape_metrics(client: Any, target: HttpTarget) -> dict[tuple[str, str], float] | None:
     """The server's Prometheus metrics, or None when it has no usable /metrics."""
     try:
-        resp = await client.get(f"{target.base}/metrics", headers=target.headers)
+        async with client.get(f"{target.base}/metrics", headers=target.headers) as resp:
+            if resp.status != 200:
+                return None
+            text = await resp.text()
     except Exception:  # /metrics is optional: peers may not have it
         return None
-    return parse_metrics(resp.text) if resp.status_code == 200 else None
+    return parse_metrics(text)
 
 
 async def _warmup(client: Any, target: HttpTarget, model: str, load: Load) -> None:
@@ -148,13 +151,17 @@ async def _run_interruptibly(coro: Any) -> bool:
 
 async def run_http_async(target: HttpTarget, load: Load, label: str,
                          show_progress: bool = True) -> RunResult:
-    import httpx
+    # aiohttp, not httpx: reading a stream costs the client about a third of the CPU per chunk,
+    # and on a small machine the client's CPU is taken from the server it measures
+    # (docs/results/2026-12-06-zen5-lighter-bench-client.md). No overall deadline: a read may
+    # wait up to timeout_s; no connection limit (the load's concurrency cap applies);
+    # read_bufsize bounds one SSE line (a chunk with many log-probs can be long).
+    import aiohttp
 
-    timeout = httpx.Timeout(target.timeout_s, connect=30.0)
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    # Loading the CA bundle costs ~0.1 s and only matters for https targets.
-    verify = target.base.startswith("https://")
-    async with httpx.AsyncClient(timeout=timeout, limits=limits, verify=verify) as client:
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=30.0, sock_read=target.timeout_s)
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector,
+                                     read_bufsize=1 << 22) as client:
         model = target.model or await detect_model(client, target)
         await _warmup(client, target, model, load)
         before = await scrape_metrics(client, target)

@@ -79,7 +79,8 @@ def _error_message(payload: bytes | str) -> str:
 
 async def stream_request(client: Any, url: str, body: dict[str, Any], rec: RequestRecord,
                          t0: float, opts: RequestOptions, headers: dict[str, str]) -> None:
-    """POST ``body`` to ``url`` (an ``httpx.AsyncClient``) and record timings into ``rec``.
+    """POST ``body`` to ``url`` (through ``client``, an ``aiohttp.ClientSession``) and record
+    timings into ``rec``.
 
     Sets ``rec.sent_s`` on entry; on return ``rec.ok`` tells whether the response was
     complete and (per ``opts.count_check``) had the expected number of tokens. Network and
@@ -88,16 +89,16 @@ async def stream_request(client: Any, url: str, body: dict[str, Any], rec: Reque
     rec.sent_s = time.monotonic() - t0
     usage: dict[str, Any] | None = None
     chunks = 0
-    async with client.stream("POST", url, json=body, headers=headers) as resp:
-        if resp.status_code != 200:
+    async with client.post(url, json=body, headers=headers) as resp:
+        if resp.status != 200:
             rec.end_s = time.monotonic() - t0
-            rec.error = f"HTTP {resp.status_code}: {_error_message(await resp.aread())}"
+            rec.error = f"HTTP {resp.status}: {_error_message(await resp.read())}"
             return
-        async for line in resp.aiter_lines():
-            if not line.startswith("data:"):
+        async for line in resp.content:  # one b"\n"-terminated line at a time
+            if not line.startswith(b"data:"):
                 continue
             data = line[5:].strip()
-            if data == "[DONE]":
+            if data == b"[DONE]":
                 break
             now = time.monotonic() - t0
             obj = json.loads(data)
