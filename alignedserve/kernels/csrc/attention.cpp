@@ -985,8 +985,9 @@ constexpr int64_t kPairBlock = 32;  // tokens per P.V round (a tile's pair depth
 // row unit.
 constexpr int64_t kTiledMaxHeads = 16;
 
-// One thread's share of a tiled call: it pulls items with `claim` (as run_items), and hands `run(item, next, scores_pf, values_pf)` its next item (or null) and
-// two prefetchers, each measured faster on huge-page caches (alternating runs, docs/results/):
+// One thread's share of a tiled call: it pulls items with `claim` (as run_items), and hands
+// `run(item, next, scores_pf, values_pf)` its next item (or null) and two prefetchers, each
+// measured faster on huge-page caches (alternating runs, docs/results/):
 // the item's own V during its score blocks (as for token-major bf16), the next item's whole K
 // during its value rounds of kPairBlock tokens; each paced in `slices` requests per score
 // block or value round. (On 4 KiB pages, asking for the next K, or for the next round's lines
