@@ -42,6 +42,7 @@ import random
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -232,17 +233,11 @@ def load_build(kernels, name: str, csrc: str):
     """A private copy of ``kernels`` whose compiled ops come from the source tree ``csrc``
     (all of the extension's sources, as in alignedserve/kernels/csrc), built with the path's
     flags under the cache (``builds-ab/NAME``)."""
-    from torch.utils import cpp_extension
+    from alignedserve.kernels.build import cache_root, compile_extension
 
-    from alignedserve.kernels.build import SOURCES, build_flags, cache_root
-
-    build_dir = cache_root() / "builds-ab" / name
-    build_dir.mkdir(parents=True, exist_ok=True)
     variant = copy.copy(kernels)
-    variant.ext = cpp_extension.load(
-        name=f"alignedserve_ab_{name}", sources=[f"{csrc}/{s}" for s in SOURCES],
-        extra_cflags=build_flags(kernels.path), extra_ldflags=["-fopenmp"],
-        extra_include_paths=[csrc], build_directory=str(build_dir), verbose=False)
+    variant.ext = compile_extension(f"alignedserve_ab_{name}", kernels.path, Path(csrc),
+                                    cache_root() / "builds-ab" / name)
     return variant
 
 

@@ -79,24 +79,31 @@ def build_flags(path: str) -> list[str]:
     return ["-O3", *TARGET_FLAGS[path], "-mtune=native", "-fopenmp"]
 
 
+def compile_extension(name: str, path: str, csrc: Path, build_dir: Path) -> ModuleType:
+    """The extension ``name`` built from every source in ``csrc`` (a tree like ``CSRC``) with
+    ``path``'s flags in ``build_dir``, or reused from there when nothing changed. Raises what
+    the build or the import raises."""
+    from torch.utils import cpp_extension
+
+    _ensure_ninja_on_path()
+    build_dir.mkdir(parents=True, exist_ok=True)
+    return cpp_extension.load(
+        name=name, sources=[str(csrc / s) for s in SOURCES], extra_cflags=build_flags(path),
+        extra_ldflags=["-fopenmp"], extra_include_paths=[str(csrc)],
+        build_directory=str(build_dir), verbose=False)
+
+
 @functools.lru_cache(maxsize=None)
 def load_extension(path: str) -> ModuleType | None:
     """The compiled kernels of ``path`` (built the first time on this machine), or None if the
     build or import fails. Memoised per path; concurrent processes are serialised by torch's
     lock file in the build directory. Call only for paths the CPU supports (isa.cpu_paths):
     importing a build for a richer CPU may fault."""
-    from torch.utils import cpp_extension
-
     name = f"alignedserve_kernels_{path}"
     build_dir = cache_root() / "torch_extensions" / f"{name}-{_build_tag(path)}"
     start = time.perf_counter()
     try:
-        _ensure_ninja_on_path()
-        build_dir.mkdir(parents=True, exist_ok=True)
-        module = cpp_extension.load(
-            name=name, sources=[str(CSRC / s) for s in SOURCES],
-            extra_cflags=build_flags(path), extra_ldflags=["-fopenmp"],
-            extra_include_paths=[str(CSRC)], build_directory=str(build_dir), verbose=False)
+        module = compile_extension(name, path, CSRC, build_dir)
     except Exception as exc:  # any build/import failure must degrade, not crash the engine
         # The compiler output sits inside the message; cap it so the log stays readable.
         log.warning("compiled kernels for %s unavailable: %s", path, str(exc)[-4000:])
