@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 GiB = 1 << 30
 
@@ -103,3 +105,10 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's own context length
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
+
+
+def cache_root() -> Path:
+    """Root of AlignedServe's per-machine cache: ``$ALIGNEDSERVE_CACHE``, or
+    ``~/.cache/alignedserve`` where that is unset or empty. The default model, tokenizers and
+    the compiled kernels live under it."""
+    return Path(os.environ.get("ALIGNEDSERVE_CACHE") or "~/.cache/alignedserve").expanduser()

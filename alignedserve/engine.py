@@ -21,6 +21,7 @@ import torch
 
 from alignedserve.config import CacheConfig, EngineConfig, GiB
 from alignedserve.kernels import kernels_for_path, select_kernels
+from alignedserve.kernels.isa import cpu_info
 from alignedserve.executor.kv_pool import KVPool
 from alignedserve.executor.runner import ModelRunner
 from alignedserve.executor.split_forward import SplitForward
@@ -130,6 +131,8 @@ class LLMEngine:
         pool = KVPool(tier_devices, mc.num_layers, mc.num_kv_heads, mc.head_dim, self.kv_dtype,
                       tiled)
         order = self.kernels.decode_read_order()
+        if self.device.type == "cpu":
+            log.info("CPU: %s", cpu_info().summary())
         log.info("kernels: %s path%s; KV cache: %s, %s layout", self.kernels.path,
                  f" (decode attention: {order})" if order else "",
                  str(self.kv_dtype).removeprefix("torch."), "tiled" if tiled else "token-major")

@@ -99,6 +99,8 @@ class _Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         if self.path == "/v1/models":
             self._json(200, {"object": "list", "data": [{"id": "fake-model"}]})
+        elif self.path == "/version":
+            self._json(200, {"version": "fake-1.0", "kernel_path": "none"})
         elif self.path == "/metrics":
             s = self.server
             text = (f"alignedserve:decode_kv_tokens_total{{model_name=\"m\"}} {s.kv_tokens}\n"

@@ -164,11 +164,18 @@ def test_bench_command_writes_a_consistent_report(tmp_path):
         assert m["input_tokens"] == sum(r["prompt_len"] for r in reqs)
         assert run["engine_stats"]["bubble_fraction"] == pytest.approx(0.25)
         assert m["goodput"] is not None
+        # Which build each run measured: the server's /version, verbatim.
+        assert 'server /version: {"kernel_path":"none","version":"fake-1.0"}' in run["notes"]
     assert {(r["label"], r["rate"]) for r in summary["ratios"]} == {
         ("a", 50.0), ("b", 50.0), ("a", "inf"), ("b", "inf")}
     assert summary["workload"]["description"]["requests"] == 5
+    machine = summary["machine"]
+    assert machine["kernel_paths"][-1] == "reference"
+    assert {"cpu_vendor", "cpu_family", "cpu_model", "cpu_core", "isa_flags"} <= set(machine)
     report = (out / "report.md").read_text()
     assert "## Results" in report and "## Versus the baseline" in report
+    assert f"- machine: {machine['summary']}" in report and "kernel paths" in report
+    assert '- note (a_rate-50): server /version: {"kernel_path"' in report
     assert "a_rate-50" in report and "sweep.png" in report
     for png in ("latency_cdf.png", "sweep.png"):
         assert (out / png).stat().st_size > 1000

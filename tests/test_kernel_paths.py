@@ -97,6 +97,77 @@ def test_decode_read_ahead_follows_the_cpu(monkeypatch, vendor, family, distance
             read(bad)
 
 
+def fake_cpuinfo(monkeypatch, **fields: str) -> None:
+    """Make isa read ``fields`` (keys with "_" for " ") as the lines of /proc/cpuinfo."""
+    table = {k.replace("_", " "): v for k, v in fields.items()}
+    table["vendor_id"] = table.pop("vendor id", "")
+    monkeypatch.setattr(isa, "_cpuinfo_field", lambda name: table.get(name, ""))
+
+
+@pytest.mark.parametrize("vendor,family,model,stepping,core", [
+    ("AuthenticAMD", "25", "17", "1", "Zen 4"),        # EPYC Genoa (0x19 / 0x11)
+    ("AuthenticAMD", "26", "2", "1", "Zen 5"),         # EPYC Turin (0x1A / 0x02)
+    ("AuthenticAMD", "25", "1", "1", "Zen 3"),         # EPYC Milan
+    ("GenuineIntel", "6", "143", "8", "Sapphire Rapids"),
+    ("GenuineIntel", "6", "207", "2", "Emerald Rapids"),
+    ("GenuineIntel", "6", "999", "0", ""),             # not listed: numbers only
+])
+def test_cpu_info_names_the_core_from_family_and_model(monkeypatch, vendor, family, model,
+                                                       stepping, core):
+    fake_cpuinfo(monkeypatch, model_name="AMD EPYC", vendor_id=vendor, cpu_family=family,
+                 model=model, stepping=stepping, flags=_BF16_FLAGS + " avx512_fp16 sse4_2")
+    cpu = isa.cpu_info()
+    assert (cpu.vendor, cpu.family, cpu.model, cpu.stepping) == (
+        vendor, int(family), int(model), int(stepping))
+    assert cpu.core == core
+    # The recorded flags in RECORDED_FLAGS' order; sse4_2 decides no path, so is left out.
+    assert cpu.recorded_flags == ("avx2", "fma", "avx512f", "avx512bw", "avx512vl",
+                                  "avx512_vnni", "avx512_bf16", "avx512_fp16")
+    summary = cpu.summary()
+    assert summary.startswith(f"AMD EPYC ({vendor} family 0x{int(family):02X} model "
+                              f"0x{int(model):02X} stepping {stepping}")
+    assert (f", {core})" in summary) == bool(core)
+    assert summary.endswith("avx512_fp16; without amx_bf16")
+
+
+def test_cpu_info_without_proc_cpuinfo(monkeypatch):
+    fake_cpuinfo(monkeypatch)
+    cpu = isa.cpu_info()
+    assert (cpu.family, cpu.model, cpu.stepping, cpu.core) == (None, None, None, "")
+    assert cpu.summary() == ("unknown CPU (no /proc/cpuinfo); flags: none recorded; without "
+                             "avx2, avx512f, avx512_bf16, amx_bf16")
+
+
+def test_a_kernel_build_is_tagged_with_the_cpu_not_only_its_name(monkeypatch):
+    """-mtune=native follows the CPU: Zen 4 and Zen 5 hosts a VM names alike ("AMD EPYC")
+    get their own build directories."""
+    def tag(family: str, model: str) -> str:
+        fake_cpuinfo(monkeypatch, model_name="AMD EPYC", vendor_id="AuthenticAMD",
+                     cpu_family=family, model=model, stepping="1")
+        return build._build_tag("avx512_bf16")
+
+    zen4, zen5 = tag("25", "17"), tag("26", "2")
+    assert zen4 != zen5 and tag("25", "17") == zen4
+    assert build._build_tag("avx2") != zen4  # and each path its own
+
+
+def test_the_env_command_names_the_cpu_and_the_path(monkeypatch, capsys):
+    from alignedserve.entrypoints.cli import main
+
+    monkeypatch.delenv(isa.ENV_VAR, raising=False)
+    monkeypatch.delenv("ALIGNEDSERVE_NO_KERNELS", raising=False)
+    assert main(["env"]) == 0
+    out = capsys.readouterr().out
+    assert f"CPU: {isa.cpu_info().summary()}\n" in out
+    assert f"kernel path in use: {cpu_paths()[0]} (the best;" in out
+    monkeypatch.setenv(isa.ENV_VAR, "reference")
+    assert main(["env"]) == 0
+    assert "kernel path in use: reference (forced by ALIGNEDSERVE_ISA)" in capsys.readouterr().out
+    monkeypatch.setenv(isa.ENV_VAR, "sse9")  # the engine would refuse it: so does env
+    assert main(["env"]) == 1
+    assert "error: unknown kernel path 'sse9'" in capsys.readouterr().out
+
+
 def test_default_is_the_best_path(monkeypatch):
     monkeypatch.delenv(isa.ENV_VAR, raising=False)
     monkeypatch.delenv("ALIGNEDSERVE_NO_KERNELS", raising=False)
@@ -147,6 +218,7 @@ def test_the_kernel_path_is_logged(caplog, default_model_path):
         engine = LLMEngine(EngineConfig(kernel_path="reference", dtype="float32"))
     engine.close()
     assert any("kernels: reference path" in r.getMessage() for r in caplog.records)
+    assert any(r.getMessage() == f"CPU: {isa.cpu_info().summary()}" for r in caplog.records)
 
 
 @pytest.mark.parametrize("path", [p for p in PATHS if p not in ("reference",)])

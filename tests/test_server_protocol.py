@@ -29,6 +29,7 @@ from alignedserve.entrypoints.engine_client import Admission
 from alignedserve.entrypoints.openai_format import DeltaTracker, sse
 from alignedserve.entrypoints.openai_prepare import ModelInfo, sampling_params
 from alignedserve.entrypoints.openai_protocol import ChatCompletionRequest, CompletionRequest
+from alignedserve.kernels.isa import cpu_info
 from alignedserve.outputs import CompletionOutput
 from alignedserve.sampling_params import SamplingParams
 from tests.server_fakes import GREEDY_TEXT, FakeEngine, fake_app, idle_kv_bytes, live_server
@@ -182,6 +183,7 @@ def test_info_endpoints(server):
     assert client.get("/health").status_code == 200
     version = client.get("/version").json()
     assert version["version"] and version["kernel_path"] == "reference"
+    assert version["cpu"] == cpu_info().summary()
     models = client.get("/v1/models").json()
     assert models["object"] == "list" and models["data"][0]["id"] == "fake-model"
     assert client.get("/v1/models/fake-model").json()["max_model_len"] == 256

@@ -9,6 +9,7 @@ result (``interrupted=True``) so a report can still be written; a second Ctrl-C 
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import time
 from dataclasses import dataclass
@@ -65,6 +66,19 @@ async def scrape_metrics(client: Any, target: HttpTarget) -> dict[tuple[str, str
     except Exception:  # /metrics is optional: peers may not have it
         return None
     return parse_metrics(text)
+
+
+async def server_version(client: Any, target: HttpTarget) -> str | None:
+    """The server's ``GET /version`` body as compact JSON (ours names its kernel path, vLLM's
+    its version), or None where it has none: a run's notes record which build it measured."""
+    try:
+        async with client.get(f"{target.base}/version", headers=target.headers) as resp:
+            if resp.status != 200:
+                return None
+            body = await resp.json(content_type=None)
+    except Exception:  # /version is optional: peers may not have it
+        return None
+    return json.dumps(body, sort_keys=True, separators=(",", ":"))
 
 
 async def _warmup(client: Any, target: HttpTarget, model: str, load: Load) -> None:
@@ -163,6 +177,7 @@ async def run_http_async(target: HttpTarget, load: Load, label: str,
     async with aiohttp.ClientSession(timeout=timeout, connector=connector,
                                      read_bufsize=1 << 22) as client:
         model = target.model or await detect_model(client, target)
+        version = await server_version(client, target)
         await _warmup(client, target, model, load)
         before = await scrape_metrics(client, target)
         records = load.new_records()
@@ -177,6 +192,8 @@ async def run_http_async(target: HttpTarget, load: Load, label: str,
         after = await scrape_metrics(client, target)
     stats = engine_stats_from_metrics(before, after)
     notes = [f"model name sent: {model}"]
+    if version is not None:
+        notes.append(f"server /version: {version}")
     return RunResult(label, target.base, None, 0, records, started, interrupted, stats, None, notes)
 
 

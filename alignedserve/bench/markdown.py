@@ -95,6 +95,7 @@ def render(data: dict[str, Any], plots: list[str]) -> str:
     if slo:
         parts.append(f"- SLO for goodput: {', '.join(f'{k} <= {v:g}' for k, v in slo.items())}")
     parts += [f"- note: {n}" for n in data.get("notes", [])]
+    parts += [f"- note ({r['name']}): {n}" for r in runs for n in r.get("notes", [])]
     parts += ["", "## Results", "", runs_table(runs, with_goodput), ""]
     mismatched = [f"{r['name']} ({r['count_mismatches']})" for r in runs if r["count_mismatches"]]
     if mismatched:

@@ -18,6 +18,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+import alignedserve.kernels.isa as isa
 from alignedserve.bench.arrivals import plan_arrivals
 from alignedserve.bench.client import TargetUnavailable
 from alignedserve.bench.config import BenchConfig
@@ -64,14 +65,24 @@ class _Engines:
 
 
 def machine_info() -> dict[str, Any]:
-    cpu = next((line.split(":", 1)[1].strip() for line in _read("/proc/cpuinfo").splitlines()
-                if line.startswith("model name")), platform.processor() or "?")
+    """The machine a run measured: the CPU by name, numbers, core and instruction-set flags (a
+    VM may name Zen 4 and Zen 5 alike "AMD EPYC"), the kernel paths it runs and any forced
+    one, cores, memory and platform; ``summary`` says it in one line."""
+    cpu = isa.cpu_info()
     mem = next((line.split()[1] for line in _read("/proc/meminfo").splitlines()
                 if line.startswith("MemTotal")), None)
     mem_gib = round(int(mem) / 2**20, 1) if mem else None
-    info = {"cpu": cpu, "cores": os.cpu_count(), "memory_gib": mem_gib,
+    info = {"cpu": cpu.model_name or platform.processor() or "?", "cpu_vendor": cpu.vendor,
+            "cpu_family": cpu.family, "cpu_model": cpu.model, "cpu_stepping": cpu.stepping,
+            "cpu_core": cpu.core, "isa_flags": list(cpu.recorded_flags),
+            "kernel_paths": list(isa.cpu_paths()),
+            "forced_kernel_path": os.environ.get(isa.ENV_VAR) or None,
+            "onednn_max_cpu_isa": os.environ.get("ONEDNN_MAX_CPU_ISA") or None,
+            "cores": os.cpu_count(), "memory_gib": mem_gib,
             "platform": platform.platform(), "python": platform.python_version()}
-    info["summary"] = f"{cpu}, {info['cores']} cores, {mem_gib} GiB, {info['platform']}"
+    forced = f", {isa.ENV_VAR}={info['forced_kernel_path']}" if info["forced_kernel_path"] else ""
+    info["summary"] = (f"{cpu.summary()}; kernel paths {', '.join(info['kernel_paths'])}"
+                       f"{forced}; {info['cores']} cores, {mem_gib} GiB, {info['platform']}")
     return info
 
 

@@ -1,4 +1,4 @@
-"""``alignedserve`` command line: generate, serve, bench, simulate, calibrate."""
+"""``alignedserve`` command line: generate, serve, bench, simulate, calibrate, env."""
 
 from __future__ import annotations
 
@@ -35,6 +35,7 @@ SUBCOMMAND_MODULES = [
     "alignedserve.entrypoints.server",  # serve
     "alignedserve.bench.cli",  # bench
     "alignedserve.sim.cli",  # simulate, calibrate
+    "alignedserve.entrypoints.env",  # env
 ]
 
 

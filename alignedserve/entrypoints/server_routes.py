@@ -23,6 +23,7 @@ from alignedserve.entrypoints.openai_protocol import (
 )
 from alignedserve.entrypoints.serving_chat import create_chat_completion
 from alignedserve.entrypoints.serving_completions import create_completion
+from alignedserve.kernels.isa import cpu_info
 
 if TYPE_CHECKING:
     from alignedserve.entrypoints.server_state import ServerState
@@ -60,7 +61,10 @@ async def health(request: Request) -> Response:
 
 
 async def version(request: Request) -> JSONResponse:
-    return JSONResponse({"version": __version__, "kernel_path": _state(request).info.kernel_path})
+    """Our version, the engine's kernel path and this machine's CPU (``alignedserve bench``
+    records them with each run against a server, which may be another machine)."""
+    return JSONResponse({"version": __version__, "kernel_path": _state(request).info.kernel_path,
+                         "cpu": cpu_info().summary()})
 
 
 async def list_models(request: Request) -> JSONResponse:

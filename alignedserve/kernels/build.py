@@ -25,6 +25,9 @@ from types import ModuleType
 
 import torch
 
+from alignedserve.config import cache_root
+from alignedserve.kernels import isa
+
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
@@ -41,22 +44,15 @@ TARGET_FLAGS = {
 }
 
 
-def cache_root() -> Path:
-    """Root of AlignedServe's per-machine cache (``$ALIGNEDSERVE_CACHE`` or ~/.cache/...)."""
-    return Path(os.environ.get("ALIGNEDSERVE_CACHE", Path.home() / ".cache" / "alignedserve"))
-
-
 def _build_tag(path: str) -> str:
     """Short hash of what a build depends on beyond its sources: the extension's ABI follows
-    the torch build and the interpreter, and -mtune=native the CPU model, so each names its
-    own directory (torch's own rebuild check hashes only sources and flags)."""
-    model = ""
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-            model = next((line for line in f if line.startswith("model name")), "")
-    except OSError:
-        pass
-    key = f"{path}|{torch.__version__}|{sys.version}|{sys.prefix}|{model}"
+    the torch build and the interpreter, and -mtune=native the CPU, so each names its own
+    directory (torch's own rebuild check hashes only sources and flags). The CPU is named by
+    its vendor, family, model and stepping as well as its model name, which a VM may show as
+    just "AMD EPYC" on Zen 4 and Zen 5 hosts alike (a cache carried between them rebuilds)."""
+    cpu = isa.cpu_info()
+    key = (f"{path}|{torch.__version__}|{sys.version}|{sys.prefix}|{cpu.model_name}|"
+           f"{cpu.vendor}|{cpu.family}|{cpu.model}|{cpu.stepping}")
     return hashlib.sha256(key.encode()).hexdigest()[:12]
 
 

