@@ -165,7 +165,7 @@ def test_the_env_command_names_the_cpu_and_the_path(monkeypatch, capsys):
     assert "kernel path in use: reference (forced by ALIGNEDSERVE_ISA)" in capsys.readouterr().out
     monkeypatch.setenv(isa.ENV_VAR, "sse9")  # the engine would refuse it: so does env
     assert main(["env"]) == 1
-    assert "error: unknown kernel path 'sse9'" in capsys.readouterr().out
+    assert "error: unknown kernel path 'sse9'" in capsys.readouterr().err
 
 
 def test_default_is_the_best_path(monkeypatch):

@@ -11,22 +11,21 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import sys
 
 import alignedserve.kernels.isa as isa
 
 
 def describe() -> list[str]:
-    """The report's lines: CPU, kernel paths and per-CPU kernel choices, threads, versions."""
+    """The report's lines: CPU, kernel paths and per-CPU kernel choices, threads, versions.
+    Raises ValueError where ``ALIGNEDSERVE_ISA`` names a path the engine would refuse."""
     import torch
 
     from alignedserve import __version__
     from alignedserve.config import cache_root
 
     paths = isa.cpu_paths()
-    try:
-        forced = isa.requested_path()
-    except ValueError as exc:  # a bad ALIGNEDSERVE_ISA: the engine would refuse to start
-        return [f"CPU: {isa.cpu_info().summary()}", f"error: {exc}"]
+    forced = isa.requested_path()
     path = forced or paths[0]
     lines = [f"AlignedServe {__version__}",
              f"CPU: {isa.cpu_info().summary()}",
@@ -50,9 +49,12 @@ def describe() -> list[str]:
 
 
 def _run(args: argparse.Namespace) -> int:
-    lines = describe()
-    print("\n".join(lines))
-    return 1 if lines[-1].startswith("error:") else 0
+    try:
+        print("\n".join(describe()))
+    except ValueError as exc:  # a bad ALIGNEDSERVE_ISA: the engine would not start either
+        print(f"CPU: {isa.cpu_info().summary()}\nerror: {exc}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
