@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from alignedserve.kernels import isa, select_kernels
+
 pytestmark = pytest.mark.model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -63,6 +65,7 @@ def test_bench_in_process(tmp_path):
     assert all(r["count_source"] == "engine" for r in json.loads(
         (out / "runs" / run["name"] / "requests.json").read_text())["requests"])
     assert run["engine_stats"]["source"] == "engine.stats"
+    assert run["notes"][0].startswith(f"engine kernel path: {select_kernels().path}")
 
 
 def _free_port() -> int:
@@ -121,3 +124,6 @@ def test_bench_against_a_real_server(server_url, tmp_path):
     reqs = json.loads((out / "runs" / run["name"] / "requests.json").read_text())["requests"]
     assert all(r["count_source"] == "usage" for r in reqs)
     assert run["engine_stats"]["source"] == "/metrics"
+    version = next(n for n in run["notes"] if n.startswith("server /version: "))
+    body = json.loads(version.removeprefix("server /version: "))
+    assert body["kernel_path"] and body["cpu"] == isa.cpu_info().summary()  # this machine

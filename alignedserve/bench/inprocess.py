@@ -168,4 +168,15 @@ def run_inprocess(engine: Any, load: Load, label: str, target: str,
     stats = {"source": "engine.stats", **delta,
              "bubble_fraction": 1.0 - delta["kv_tokens"] / padded if padded else None}
     return RunResult(label, target, None, 0, driver.records, started, interrupted, stats,
-                     driver.steps)
+                     driver.steps, _engine_notes(engine))
+
+
+def _engine_notes(engine: Any) -> list[str]:
+    """The kernel path the engine ran and its per-CPU decode-attention choices, as a run
+    against a server notes the server's ``/version`` (none for an engine without kernels)."""
+    kernels = getattr(engine, "kernels", None)
+    if kernels is None:
+        return []
+    order = kernels.decode_read_order()
+    return [f"engine kernel path: {kernels.path}"
+            + (f" (decode attention: {order})" if order else "")]
