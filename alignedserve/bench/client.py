@@ -56,29 +56,31 @@ async def detect_model(client: Any, target: HttpTarget) -> str:
                                 f"up? (pass --model-name to skip detection)") from exc
 
 
+async def _optional_get(client: Any, target: HttpTarget, path: str) -> str | None:
+    """The body of ``GET path`` as text, or None where the server has no such endpoint or
+    the request fails: peers need not have ours (/metrics, /version)."""
+    try:
+        async with client.get(f"{target.base}{path}", headers=target.headers) as resp:
+            return await resp.text() if resp.status == 200 else None
+    except Exception:
+        return None
+
+
 async def scrape_metrics(client: Any, target: HttpTarget) -> dict[tuple[str, str], float] | None:
     """The server's Prometheus metrics, or None when it has no usable /metrics."""
-    try:
-        async with client.get(f"{target.base}/metrics", headers=target.headers) as resp:
-            if resp.status != 200:
-                return None
-            text = await resp.text()
-    except Exception:  # /metrics is optional: peers may not have it
-        return None
-    return parse_metrics(text)
+    text = await _optional_get(client, target, "/metrics")
+    return None if text is None else parse_metrics(text)
 
 
 async def server_version(client: Any, target: HttpTarget) -> str | None:
-    """The server's ``GET /version`` body as compact JSON (ours names its kernel path, vLLM's
-    its version), or None where it has none: a run's notes record which build it measured."""
+    """The server's ``GET /version`` body as compact JSON (ours names its kernel path and CPU,
+    vLLM's its version), or None where it has none: a run's notes record what it measured."""
+    text = await _optional_get(client, target, "/version")
     try:
-        async with client.get(f"{target.base}/version", headers=target.headers) as resp:
-            if resp.status != 200:
-                return None
-            body = await resp.json(content_type=None)
-    except Exception:  # /version is optional: peers may not have it
+        body = json.loads(text) if text is not None else None
+    except ValueError:  # not JSON: no version to record
         return None
-    return json.dumps(body, sort_keys=True, separators=(",", ":"))
+    return None if body is None else json.dumps(body, sort_keys=True, separators=(",", ":"))
 
 
 async def _warmup(client: Any, target: HttpTarget, model: str, load: Load) -> None:

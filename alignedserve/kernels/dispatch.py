@@ -99,7 +99,7 @@ class Kernels:
 
     def decode_read_order(self) -> str:
         """How the decode attention reads KV where that is chosen per CPU ("" elsewhere), for
-        the start-up log."""
+        the start-up log and the notes of an in-process benchmark run."""
         notes = ["row units"] if self.row_units else []
         if self.read_ahead:
             notes.append(f"{self.read_ahead} bytes read ahead")
