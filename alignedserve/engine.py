@@ -133,7 +133,7 @@ class LLMEngine:
         order = self.kernels.decode_read_order()
         if self.device.type == "cpu":
             log.info("CPU: %s", cpu_info().summary())
-        log.info("kernels: %s path%s; KV cache: %s, %s layout", self.kernels.path,
+        log.info("kernels: %s path%s; KV cache: %s, %s layout", self.kernels.name,
                  f" (decode attention: {order})" if order else "",
                  str(self.kv_dtype).removeprefix("torch."), "tiled" if tiled else "token-major")
         if cache.preallocate_kv:

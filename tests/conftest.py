@@ -6,6 +6,7 @@ use them are marked ``@pytest.mark.model`` (deselect with ``-m "not model"``).
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -42,15 +43,34 @@ def default_model_hf_fp32(default_model_path: Path) -> torch.nn.Module:
 
 # ------------------------------------------------------------------------ kernel paths
 
+def _emulate_amx_where_missing() -> None:
+    """On a CPU without AMX, the tests run the amx path on emulated tiles (where the CPU runs
+    the avx512_bf16 path; `isa.amx_emulated`): its kernels' logic is checked on every such
+    machine. Only tests that name the amx path run it; the default path stays the CPU's best.
+    An explicit ALIGNEDSERVE_AMX_EMULATE=0 turns this off."""
+    from alignedserve.kernels import isa
+
+    if "amx" not in isa.cpu_paths():
+        os.environ.setdefault(isa.AMX_EMULATE_ENV, "1")
+
+
+_emulate_amx_where_missing()
+
+
 def kernel_path_params(paths: tuple[str, ...]) -> list[Any]:
-    """pytest params for kernel paths, each skipped (saying why) where this CPU lacks it."""
-    from alignedserve.kernels.isa import missing_flags
+    """pytest params for kernel paths, each skipped (saying why) where it cannot run here; the
+    amx path runs on emulated tiles (id ``amx-emulated``) where the CPU lacks AMX."""
+    from alignedserve.kernels import isa
 
     params = []
     for path in paths:
-        missing = missing_flags(path)
+        missing = isa.missing_flags(path)
+        if path == "amx" and missing and isa.amx_emulated():
+            params.append(pytest.param(path, id="amx-emulated"))
+            continue
+        why = (" (its emulated tiles need the avx512_bf16 path)" if path == "amx" else "")
         marks = [pytest.mark.skip(reason=f"the {path} path needs CPU features this machine "
-                                         f"lacks: {', '.join(missing)}")] if missing else []
+                                         f"lacks: {', '.join(missing)}{why}")] if missing else []
         params.append(pytest.param(path, marks=marks, id=path))
     return params
 

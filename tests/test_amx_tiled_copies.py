@@ -4,8 +4,9 @@
 (`untile_keys`: token-major K rows; `transpose_values_tiled`: V^T). Those copies are plain
 C++, so this test compiles the real source file with the amx path's compiler flags into a
 small extension that calls them, runs no AMX instruction, and compares both copies with
-`kv_layout`'s own writes. Machines with AMX run the whole kernel in test_prefill_kernel.py;
-this keeps the layout addressing of its copies covered where CI lands on a CPU without AMX.
+`kv_layout`'s own writes, bit for bit. The whole kernel runs in test_prefill_kernel.py (on
+emulated tiles where the CPU lacks AMX, which compares with tolerances); this checks the
+copies' addressing exactly.
 The amx flags target AVX-512, so the test needs the avx512_bf16 path's CPU flags.
 """
 

@@ -77,15 +77,28 @@ def reference_logprobs(kv_cache_dtype: str, hf_fp32, ours_fp32, ids: list[int]) 
     return torch.log_softmax(logits.float(), dim=-1)
 
 
+def _emulated_amx_case():
+    """The amx path on emulated tiles, where this CPU lacks AMX but can run them (conftest):
+    its kernels' logic over the real weights. (Where the CPU has AMX the default path is amx.)"""
+    from alignedserve.kernels import isa
+
+    return pytest.param("auto", True, "amx", id="auto-True-amx-emulated", marks=pytest.mark.skipif(
+        not isa.amx_emulated(), reason="amx is this CPU's own path, or cannot run emulated here"))
+
+
 @torch.inference_mode()
-@pytest.mark.parametrize("kv_cache_dtype,tiled",
-                         [("auto", True), ("auto", False), ("fp8_e5m2", True)])
+@pytest.mark.parametrize("kv_cache_dtype,tiled,kernel_path",
+                         [("auto", True, None), ("auto", False, None), ("fp8_e5m2", True, None),
+                          _emulated_amx_case()])
 def test_bf16_greedy_is_close_to_float32(default_model_path, default_model_fp32,
-                                          default_model_hf_fp32, kv_cache_dtype, tiled):
+                                          default_model_hf_fp32, kv_cache_dtype, tiled,
+                                          kernel_path):
     doc = document(default_model_fp32.tokenizer)
     prompts = [doc[:16], doc[40:240], doc[100:800]]
     engine = LLMEngine(EngineConfig(dtype="bfloat16", kv_cache_dtype=kv_cache_dtype,
-                                    policy="aligned", cache=CacheConfig(tiled_layout=tiled)))
+                                    policy="aligned", cache=CacheConfig(tiled_layout=tiled),
+                                    kernel_path=kernel_path))
+    assert kernel_path is None or engine.kernels.path == kernel_path
     if kv_cache_dtype == "auto":  # the tiled run must really take the tiled path where it can
         assert engine.executor.pool.tiled == (tiled and engine.kernels.tiled_kv_applies(
             torch.bfloat16, 64, 16, torch.device("cpu")))

@@ -194,11 +194,31 @@ def test_unknown_and_unsupported_paths_are_refused(monkeypatch):
     monkeypatch.setenv(isa.ENV_VAR, "sse9")
     with pytest.raises(ValueError, match="unknown kernel path"):
         select_kernels()
-    lacking = [p for p in PATHS if p not in cpu_paths()]
+    monkeypatch.setenv(isa.AMX_EMULATE_ENV, "0")  # the hardware's paths only
+    lacking = [p for p in PATHS if p not in isa.runnable_paths()]
     if not lacking:
         pytest.skip("this CPU supports every path")
     with pytest.raises(ValueError, match="lacks"):
         select_kernels(lacking[0])
+
+
+def test_amx_emulation_is_opt_in(monkeypatch):
+    """Without ALIGNEDSERVE_AMX_EMULATE=1 a CPU without AMX refuses the amx path, naming the
+    switch where the emulation could run; with it the amx path runs but is never the default."""
+    if "amx" in cpu_paths():
+        pytest.skip("this CPU has AMX: nothing is emulated")
+    monkeypatch.delenv(isa.ENV_VAR, raising=False)
+    monkeypatch.setenv(isa.AMX_EMULATE_ENV, "0")
+    assert not isa.amx_emulated() and "amx" not in isa.runnable_paths()
+    hint = isa.AMX_EMULATE_ENV if "avx512_bf16" in cpu_paths() else "lacks"
+    with pytest.raises(ValueError, match=hint):
+        select_kernels("amx")
+    monkeypatch.setenv(isa.AMX_EMULATE_ENV, "yes")
+    with pytest.raises(ValueError, match="must be 0 or 1"):
+        isa.amx_emulated()
+    monkeypatch.setenv(isa.AMX_EMULATE_ENV, "1")
+    assert isa.amx_emulated() == ("avx512_bf16" in cpu_paths())
+    assert select_kernels().path == cpu_paths()[0]
 
 
 @pytest.mark.parametrize("path", kernel_path_params(("amx", "avx512_bf16", "avx512", "avx2")))
@@ -206,6 +226,9 @@ def test_each_build_is_what_it_says(path):
     kernels = kernels_for_path(path)
     assert kernels.ext.compiled_path() == path
     assert kernels.amx == (path == "amx")
+    emulated = path == "amx" and "amx" not in cpu_paths()
+    assert kernels.amx_emulated == emulated
+    assert kernels.name == (f"{path} (emulated tiles)" if emulated else path)
 
 
 def test_the_kernel_path_is_logged(caplog, default_model_path):

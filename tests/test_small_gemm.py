@@ -1,6 +1,7 @@
 """The AMX small-batch linear (kernels/csrc/small_gemm.cpp): F.linear's result up to one
 bf16 rounding, independent of the batch a row is in, clear errors for bad inputs. Runs on the
-amx path only (skipped, saying why, on CPUs without AMX-BF16)."""
+amx path only: on emulated tiles where the CPU lacks AMX (conftest), skipped (saying why) where
+it cannot run that either."""
 
 from __future__ import annotations
 
@@ -9,14 +10,15 @@ import torch
 import torch.nn.functional as F
 
 from alignedserve.kernels import kernels_for_path
-from alignedserve.kernels.isa import missing_flags
+from alignedserve.kernels.isa import missing_flags, runnable_paths
 from alignedserve.kernels.linear import AMX_MAX_ROWS_LM_HEAD, PackedLinear, pack_linears
 from tests.model_utils import ours_from_hf, tiny_hf_model
 
-_MISSING = missing_flags("amx")
-pytestmark = pytest.mark.skipif(bool(_MISSING), reason="the amx path needs CPU features this "
-                                f"machine lacks: {', '.join(_MISSING)}")
-amx = None if _MISSING else kernels_for_path("amx")
+_RUNS = "amx" in runnable_paths()
+pytestmark = pytest.mark.skipif(not _RUNS, reason="the amx path needs CPU features this machine "
+                                f"lacks: {', '.join(missing_flags('amx'))} (its emulated tiles "
+                                "need the avx512_bf16 path)")
+amx = kernels_for_path("amx") if _RUNS else None
 kernels = None if amx is None else amx.ext
 
 

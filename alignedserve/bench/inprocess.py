@@ -178,5 +178,5 @@ def _engine_notes(engine: Any) -> list[str]:
     if kernels is None:
         return []
     order = kernels.decode_read_order()
-    return [f"engine kernel path: {kernels.path}"
+    return [f"engine kernel path: {kernels.name}"
             + (f" (decode attention: {order})" if order else "")]

@@ -67,7 +67,7 @@ class EngineReplica:
         self._fail_next_step = False
         if self._fault_token is not None:
             self._arm_fault_injection()
-        log.info("replica %s: engine up (%s)", self.replica_id, self.engine.engine.kernels.path)
+        log.info("replica %s: engine up (%s)", self.replica_id, self.engine.engine.kernels.name)
 
     async def generate(self, request_id: str, prompt: list[int], params: SamplingParams,
                        prompt_tokens: int | None = None) -> AsyncIterator[RequestOutput]:
@@ -150,7 +150,7 @@ class EngineReplica:
         """What a front end without the model needs to check and tokenize requests."""
         engine = self.engine.engine
         return {"tokenizer": engine.tokenizer, "vocab_size": engine.loaded.config.vocab_size,
-                "max_model_len": engine.max_model_len, "kernel_path": engine.kernels.path,
+                "max_model_len": engine.max_model_len, "kernel_path": engine.kernels.name,
                 "name": engine.loaded.name}
 
     def __del__(self) -> None:

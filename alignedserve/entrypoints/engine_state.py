@@ -88,7 +88,7 @@ def engine_snapshot(engine: Any, model: str, latencies: RecentLatencies) -> dict
         "policy": engine.config.policy,
         "dtype": str(engine.dtype).removeprefix("torch."),
         "kv_cache_dtype": str(engine.kv_dtype).removeprefix("torch."),
-        "kernel_path": engine.kernels.path,
+        "kernel_path": engine.kernels.name,
         "running": racy_read(engine.scheduler.num_running, 0),
         "waiting": racy_read(engine.scheduler.num_waiting, 0),
         "groups": racy_read(lambda: _groups(engine), []),

@@ -32,6 +32,8 @@ def describe() -> list[str]:
              f"kernel paths this CPU runs: {', '.join(paths)}",
              f"kernel path in use: {path} ("
              + (f"forced by {isa.ENV_VAR}" if forced else f"the best; {isa.ENV_VAR} unset") + ")"]
+    if isa.amx_emulated():
+        lines.append(f"amx path: on emulated tiles ({isa.AMX_EMULATE_ENV}=1; for tests, slow)")
     if path == "avx512_bf16":
         items = "row units" if isa.decode_row_units() else "per-head items"
         ahead = isa.decode_read_ahead()

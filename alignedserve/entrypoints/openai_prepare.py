@@ -49,7 +49,7 @@ class ModelInfo:
         """From an ``LLMEngine`` (or anything shaped like one)."""
         vocab = engine.loaded.config.vocab_size
         return cls(engine.tokenizer, vocab, engine.max_model_len, engine.validate_prompt,
-                   _max_token_chars(engine.tokenizer, vocab), engine.kernels.path)
+                   _max_token_chars(engine.tokenizer, vocab), engine.kernels.name)
 
     @classmethod
     def from_facts(cls, tokenizer: Any, vocab_size: int, max_model_len: int,

@@ -68,7 +68,7 @@ class EngineCollector(Collector):
         info = GaugeMetricFamily(P + "engine_info", "The engine's build: kernel instruction "
                                  "set path (kernel_path) and policy; the value is 1.",
                                  labels=["model_name", "kernel_path", "policy"])
-        info.add_metric([self.model_name, self.engine.kernels.path, self.engine.config.policy],
+        info.add_metric([self.model_name, self.engine.kernels.name, self.engine.config.policy],
                         1.0)
         yield info
         sched = self.engine.scheduler

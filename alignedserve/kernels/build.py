@@ -70,21 +70,28 @@ def _ensure_ninja_on_path() -> None:
         os.environ["PATH"] = f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"
 
 
-def build_flags(path: str) -> list[str]:
-    """Compiler flags of ``path``'s build."""
-    return ["-O3", *TARGET_FLAGS[path], "-mtune=native", "-fopenmp"]
+# The amx path's sources on emulated tiles (csrc/amx_emulated.h): an avx512_bf16 target.
+EMULATED_AMX_FLAGS = [*_AVX512_BF16, "-DALIGNEDSERVE_AMX_EMULATED"]
 
 
-def compile_extension(name: str, path: str, csrc: Path, build_dir: Path) -> ModuleType:
+def build_flags(path: str, emulated_amx: bool = False) -> list[str]:
+    """Compiler flags of ``path``'s build (``emulated_amx``: the amx path on emulated tiles)."""
+    target = EMULATED_AMX_FLAGS if emulated_amx else TARGET_FLAGS[path]
+    return ["-O3", *target, "-mtune=native", "-fopenmp"]
+
+
+def compile_extension(name: str, path: str, csrc: Path, build_dir: Path,
+                      emulated_amx: bool = False) -> ModuleType:
     """The extension ``name`` built from every source in ``csrc`` (a tree like ``CSRC``) with
-    ``path``'s flags in ``build_dir``, or reused from there when nothing changed. Raises what
+    ``path``'s flags (`build_flags`) in ``build_dir``, or reused from there when nothing
+    changed. Raises what
     the build or the import raises."""
     from torch.utils import cpp_extension
 
     _ensure_ninja_on_path()
     build_dir.mkdir(parents=True, exist_ok=True)
     return cpp_extension.load(
-        name=name, sources=[str(csrc / s) for s in SOURCES], extra_cflags=build_flags(path),
+        name=name, sources=[str(csrc / s) for s in SOURCES], extra_cflags=build_flags(path, emulated_amx),
         extra_ldflags=["-fopenmp"], extra_include_paths=[str(csrc)],
         build_directory=str(build_dir), verbose=False)
 
@@ -93,13 +100,15 @@ def compile_extension(name: str, path: str, csrc: Path, build_dir: Path) -> Modu
 def load_extension(path: str) -> ModuleType | None:
     """The compiled kernels of ``path`` (built the first time on this machine), or None if the
     build or import fails. Memoised per path; concurrent processes are serialised by torch's
-    lock file in the build directory. Call only for paths the CPU supports (isa.cpu_paths):
-    importing a build for a richer CPU may fault."""
-    name = f"alignedserve_kernels_{path}"
+    lock file in the build directory. Call only for paths that can run here
+    (isa.runnable_paths): importing a build for a richer CPU may fault. The amx path where its
+    tiles are emulated (isa.amx_emulated, as it is at the first call) is its own build."""
+    emulated = path == "amx" and isa.amx_emulated()
+    name = f"alignedserve_kernels_{path}" + ("_emulated" if emulated else "")
     build_dir = cache_root() / "torch_extensions" / f"{name}-{_build_tag(path)}"
     start = time.perf_counter()
     try:
-        module = compile_extension(name, path, CSRC, build_dir)
+        module = compile_extension(name, path, CSRC, build_dir, emulated)
     except Exception as exc:  # any build/import failure must degrade, not crash the engine
         # The compiler output sits inside the message; cap it so the log stays readable.
         log.warning("compiled kernels for %s unavailable: %s", path, str(exc)[-4000:])

@@ -85,6 +85,8 @@ class Kernels:
         self.path = path
         self.ext = ext
         self.amx = ext is not None and path == "amx" and bool(ext.amx_available())
+        # Tiles emulated in software (isa.amx_emulated): the amx path's logic, not its speed.
+        self.amx_emulated = self.amx and bool(ext.amx_emulated())
         # The AVX-512 linear and prefill kernels: vdpbf16ps, or its AVX-512F equivalent.
         self.avx512 = ext is not None and path in ("avx512_bf16", "avx512")
         self.avx2 = ext is not None and path == "avx2"
@@ -96,6 +98,12 @@ class Kernels:
 
     def __repr__(self) -> str:
         return f"Kernels({self.path!r})"
+
+    @property
+    def name(self) -> str:
+        """The path as logs, ``/version``, metrics and records name it: ``path``, marked where
+        the amx path runs on emulated tiles, so no figure is taken for the hardware's."""
+        return f"{self.path} (emulated tiles)" if self.amx_emulated else self.path
 
     def decode_read_order(self) -> str:
         """How the decode attention reads KV where that is chosen per CPU ("" elsewhere), for
@@ -313,7 +321,8 @@ def select_kernels(path: str | None = None) -> Kernels:
         isa.check_path(wanted)
         if wanted != isa.cpu_paths()[0]:
             _cap_onednn(wanted)
-    candidates = isa.cpu_paths()[isa.cpu_paths().index(wanted):] if wanted else isa.cpu_paths()
+    runnable = isa.runnable_paths()
+    candidates = runnable[runnable.index(wanted):] if wanted else isa.cpu_paths()
     for candidate in candidates:
         try:
             return kernels_for_path(candidate)

@@ -20,6 +20,11 @@ use is the best one the CPU supports, or the one ``ALIGNEDSERVE_ISA`` names (a l
 test or benchmark it on a machine that has a higher one; naming one the CPU lacks is an
 error, since its code would fault). ``ALIGNEDSERVE_NO_KERNELS=1`` is kept as a synonym of
 ``ALIGNEDSERVE_ISA=reference``.
+
+``ALIGNEDSERVE_AMX_EMULATE=1`` lets a CPU without AMX that has the ``avx512_bf16`` path run the
+``amx`` path on tiles emulated in software (``csrc/amx_emulated.h``), so the AMX kernels' logic
+is tested on such machines too. It is slow and never the default: only forcing ``amx`` (or a
+test naming it) runs it.
 """
 
 from __future__ import annotations
@@ -108,13 +113,35 @@ def requested_path() -> str | None:
     return name
 
 
+AMX_EMULATE_ENV = "ALIGNEDSERVE_AMX_EMULATE"
+
+
+def amx_emulated() -> bool:
+    """Whether the ``amx`` path runs on emulated tiles here: ``ALIGNEDSERVE_AMX_EMULATE=1`` on
+    a CPU without AMX that runs the ``avx512_bf16`` path (the rest of the amx build's code).
+    Read on every call, so a test can switch it; the build is made once per process."""
+    value = os.environ.get(AMX_EMULATE_ENV, "").strip()
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{AMX_EMULATE_ENV} must be 0 or 1, not {value!r}")
+    paths = cpu_paths()
+    return value == "1" and "amx" not in paths and "avx512_bf16" in paths
+
+
+def runnable_paths() -> tuple[str, ...]:
+    """The paths that can run here, best first: `cpu_paths`, with ``amx`` ahead of them where
+    its tiles are emulated (`amx_emulated`). The best path in use stays ``cpu_paths()[0]``."""
+    return ("amx", *cpu_paths()) if amx_emulated() else cpu_paths()
+
+
 def check_path(name: str) -> None:
-    """Raise ValueError unless ``name`` is a known path this CPU can execute."""
+    """Raise ValueError unless ``name`` is a known path that can run here (`runnable_paths`)."""
     if name not in PATHS:
         raise ValueError(f"unknown kernel path {name!r}; choose one of {', '.join(PATHS)}")
-    if name not in cpu_paths():
+    if name not in runnable_paths():
+        hint = (f" ({AMX_EMULATE_ENV}=1 runs it on emulated tiles, for tests)"
+                if name == "amx" and "avx512_bf16" in cpu_paths() else "")
         raise ValueError(f"kernel path {name!r} needs CPU features this machine lacks: "
-                         f"{', '.join(missing_flags(name))}")
+                         f"{', '.join(missing_flags(name))}{hint}")
 
 
 @functools.lru_cache(maxsize=1)

@@ -2,16 +2,20 @@
 // prefill_attention.cpp, small_gemm.cpp), and the softmax exponential of the attention paths
 // with bf16 probabilities (AMX and AVX512-BF16).
 // Include it unconditionally: it defines ALIGNEDSERVE_AMX where the compiler targets AMX-BF16
-// (-march=native on Sapphire Rapids and later), the tile helpers only there, and
-// amx::available() everywhere.
+// (the amx path's build), or where the build asks for emulated tiles (ALIGNEDSERVE_AMX_EMULATED,
+// amx_emulated.h) on an AVX512-BF16 target; the tile helpers only there, and amx::available()
+// everywhere.
 #pragma once
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && \
-    defined(__AVX512BW__)
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && \
+    ((defined(__AMX_TILE__) && defined(__AMX_BF16__)) || defined(ALIGNEDSERVE_AMX_EMULATED))
 #define ALIGNEDSERVE_AMX 1
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
+#ifdef ALIGNEDSERVE_AMX_EMULATED
+#include "amx_emulated.h"
+#endif
 #endif
 
 #include <cstdint>
@@ -26,9 +30,14 @@ namespace alignedserve::amx {
 
 // Linux grants the AMX tile state per process, on request (ARCH_REQ_XCOMP_PERM for
 // XFEATURE_XTILEDATA); without it the first tile instruction faults. Asked once.
+// (Emulated tiles are ordinary memory: nothing to ask.)
 inline bool permitted() {
+#ifdef ALIGNEDSERVE_AMX_EMULATED
+  return true;
+#else
   static const bool ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
   return ok;
+#endif
 }
 
 struct alignas(64) TileConfig {
@@ -85,6 +94,15 @@ constexpr float kMaskedScore = -1e30f;
 inline bool available() {
 #ifdef ALIGNEDSERVE_AMX
   return permitted();
+#else
+  return false;
+#endif
+}
+
+// Whether this build's tiles are the software emulation's (amx_emulated.h), not the CPU's.
+inline bool tiles_emulated() {
+#if defined(ALIGNEDSERVE_AMX) && defined(ALIGNEDSERVE_AMX_EMULATED)
+  return true;
 #else
   return false;
 #endif

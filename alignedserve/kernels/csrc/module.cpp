@@ -44,6 +44,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "The instruction set this build targets: amx, avx512_bf16, avx512, avx2 or portable.");
   m.def("amx_available", &alignedserve::amx::available,
         "True when this build has the AMX-BF16 kernels and the OS granted tile state.");
+  m.def("amx_emulated", &alignedserve::amx::tiles_emulated,
+        "True when this build's AMX tiles are emulated in software (a test build).");
   alignedserve::register_attention(m);
   alignedserve::register_fused(m);
   alignedserve::register_prefill(m);
