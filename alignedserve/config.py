@@ -101,6 +101,11 @@ class EngineConfig:
     # default: it measured no faster than one batch (docs/architecture.md, "Split decode
     # steps").
     split_decode: bool = False
+    # Give every row the same bits whatever shares its step, at any step size. Every kernel
+    # path but amx is built that way; on amx this makes its own linear take steps of any size
+    # instead of oneDNN above 1024 rows (whose rounding depends on the row count), at a cost
+    # not measured on AMX hardware (alignedserve.kernels.dispatch.Kernels).
+    batch_invariant: bool = False
     seed: int | None = None
     max_model_len: int | None = None  # None: the model's own context length
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

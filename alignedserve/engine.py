@@ -88,9 +88,14 @@ class LLMEngine:
         device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.device = torch.device(device)
         if loaded is None:
-            kernels = (select_kernels(config.kernel_path) if self.device.type == "cpu"
-                       else kernels_for_path("reference"))
+            kernels = (select_kernels(config.kernel_path, config.batch_invariant)
+                       if self.device.type == "cpu"
+                       else kernels_for_path("reference", config.batch_invariant))
             loaded = load_model(config.model, self.dtype, str(self.device), kernels)
+        elif config.batch_invariant and not loaded.model.kernels.batch_invariant:
+            raise ValueError("batch_invariant needs a model loaded with batch-invariant kernels "
+                             "(load_model(..., kernels=select_kernels(path, "
+                             "batch_invariant=True)))")
         self.loaded = loaded
         self.kernels = loaded.model.kernels
         mc = self.loaded.config
@@ -133,8 +138,9 @@ class LLMEngine:
         order = self.kernels.decode_read_order()
         if self.device.type == "cpu":
             log.info("CPU: %s", cpu_info().summary())
-        log.info("kernels: %s path%s; KV cache: %s, %s layout", self.kernels.name,
+        log.info("kernels: %s path%s%s; KV cache: %s, %s layout", self.kernels.name,
                  f" (decode attention: {order})" if order else "",
+                 ", batch-invariant at any step size" if self.kernels.batch_invariant else "",
                  str(self.kv_dtype).removeprefix("torch."), "tiled" if tiled else "token-major")
         if cache.preallocate_kv:
             self._preallocate(store, pool, tier_devices)

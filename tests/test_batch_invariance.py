@@ -14,6 +14,7 @@ import pytest
 from alignedserve.config import EngineConfig, SchedulerConfig
 from alignedserve.engine import LLMEngine
 from alignedserve.sampling_params import SamplingParams
+from alignedserve.kernels.linear import AMX_MAX_ROWS
 from tests.conftest import kernel_path_params
 from tests.test_engine_parity import document
 
@@ -41,11 +42,7 @@ def _run(engine: LLMEngine, requests: list[tuple[str, list[int]]],
     return outputs
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e5m2"])
-@pytest.mark.parametrize("path", kernel_path_params(("amx", "avx512_bf16", "avx512", "avx2")))
-def test_tokens_are_the_same_alone_and_in_a_batch(default_model_fp32, path, kv_cache_dtype):
-    engine = LLMEngine(EngineConfig(kernel_path=path, kv_cache_dtype=kv_cache_dtype,
-                                    scheduler=SchedulerConfig(max_num_batched_tokens=512)))
+def _check_alone_and_in_a_batch(default_model_fp32, engine: LLMEngine) -> None:
     doc = document(default_model_fp32.tokenizer)
     targets = [(f"t{i}", doc[i * 37:i * 37 + n]) for i, n in enumerate(TARGETS)]
     fillers = [(f"f{i}", doc[5 + i * 23:5 + i * 23 + n]) for i, n in enumerate(FILLERS)]
@@ -58,3 +55,23 @@ def test_tokens_are_the_same_alone_and_in_a_batch(default_model_fp32, path, kv_c
     engine.close()
     for rid, _ in targets:
         assert batch[rid] == alone[rid], f"{rid}: alone and in a batch differ"
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e5m2"])
+@pytest.mark.parametrize("path", kernel_path_params(("amx", "avx512_bf16", "avx512", "avx2")))
+def test_tokens_are_the_same_alone_and_in_a_batch(default_model_fp32, path, kv_cache_dtype):
+    engine = LLMEngine(EngineConfig(kernel_path=path, kv_cache_dtype=kv_cache_dtype,
+                                    scheduler=SchedulerConfig(max_num_batched_tokens=512)))
+    _check_alone_and_in_a_batch(default_model_fp32, engine)
+
+
+@pytest.mark.parametrize("path", kernel_path_params(("amx", "avx512_bf16", "avx512", "avx2")))
+def test_batch_invariant_holds_at_any_step_size(default_model_fp32, path):
+    """With ``batch_invariant`` and the default step budget (2048 tokens), steps of more than
+    1024 rows occur: on the amx path those go to oneDNN unless batch invariance is asked for
+    (every other path is invariant either way)."""
+    config = EngineConfig(kernel_path=path, batch_invariant=True)
+    assert config.scheduler.max_num_batched_tokens > AMX_MAX_ROWS
+    engine = LLMEngine(config)
+    assert engine.kernels.batch_invariant
+    _check_alone_and_in_a_batch(default_model_fp32, engine)

@@ -262,3 +262,25 @@ def test_every_path_compiles_even_where_the_cpu_lacks_it(tmp_path: Path, path: s
                                  "-o", str(tmp_path / f"{source}.o")],
                                 capture_output=True, text=True)
         assert result.returncode == 0, f"{source} for {path}:\n{result.stderr[-3000:]}"
+
+
+@pytest.mark.model
+def test_batch_invariance_is_asked_for_from_the_cli_and_carried_by_the_kernels():
+    """``--batch-invariant`` reaches the engine's `Kernels`; an engine handed a model loaded
+    without it refuses rather than silently running non-invariant linears."""
+    from alignedserve.config import EngineConfig
+    from alignedserve.engine import LLMEngine
+    from alignedserve.entrypoints.args import engine_config_from_args
+    from alignedserve.entrypoints.cli import build_parser
+    from alignedserve.model.loader import load_model
+
+    def config(*argv: str) -> EngineConfig:
+        return engine_config_from_args(build_parser().parse_args(argv))
+
+    assert not config("serve").batch_invariant
+    assert config("serve", "--batch-invariant").batch_invariant
+    assert select_kernels("reference", batch_invariant=True).batch_invariant
+    assert not select_kernels("reference").batch_invariant
+    loaded = load_model(None, torch.float32, "cpu", kernels_for_path("reference"))
+    with pytest.raises(ValueError, match="batch-invariant kernels"):
+        LLMEngine(EngineConfig(dtype="float32", batch_invariant=True), loaded)

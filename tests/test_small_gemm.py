@@ -11,7 +11,8 @@ import torch.nn.functional as F
 
 from alignedserve.kernels import kernels_for_path
 from alignedserve.kernels.isa import missing_flags, runnable_paths
-from alignedserve.kernels.linear import AMX_MAX_ROWS_LM_HEAD, PackedLinear, pack_linears
+from alignedserve.kernels.linear import (AMX_MAX_ROWS, AMX_MAX_ROWS_LM_HEAD, PackedLinear,
+                                         pack_linears)
 from tests.model_utils import ours_from_hf, tiny_hf_model
 
 _RUNS = "amx" in runnable_paths()
@@ -118,3 +119,18 @@ def test_the_tied_lm_head_stops_earlier() -> None:
     model = ours_from_hf(tiny_hf_model(tie_word_embeddings=True)).bfloat16()
     pack_linears(model, amx)
     assert model.lm_head.kernel_max_rows == AMX_MAX_ROWS_LM_HEAD
+
+
+def test_batch_invariant_kernels_take_every_row_count() -> None:
+    """``batch_invariant``: the AMX linear takes steps past AMX_MAX_ROWS too (the LM head's
+    included), so a row's bits are the same in a step of any size."""
+    invariant = kernels_for_path("amx", batch_invariant=True)
+    x, weight, bias = _case(AMX_MAX_ROWS + 100, 64, 64, seed=3)
+    layer = PackedLinear(weight, bias, invariant)
+    assert layer.kernel_max_rows > AMX_MAX_ROWS + 100 and layer.weight is not None
+    assert layer.release_weight()  # its own kernel takes every call: the packing suffices
+    whole = layer(x)
+    assert torch.equal(whole[-5:], layer(x[-5:].contiguous()))
+    model = ours_from_hf(tiny_hf_model(tie_word_embeddings=True)).bfloat16()
+    pack_linears(model, invariant)
+    assert model.lm_head.kernel_max_rows > AMX_MAX_ROWS

@@ -35,6 +35,10 @@ def add_engine_args(parser: argparse.ArgumentParser, serving: bool = False) -> N
                         "threads, so one half's attention may overlap the other's linears "
                         "(bf16 on a compiled CPU path; outputs unchanged; off by default: it "
                         "measured no faster than one batch)")
+    g.add_argument("--batch-invariant", action="store_true",
+                   help="give every request the same bits whatever shares its steps, at any "
+                        "step size (every kernel path but amx is that way already; on amx its "
+                        "own linear then takes steps above 1024 rows too, instead of oneDNN)")
     g.add_argument("--seed", type=int, default=None, help="seed for requests without their own")
     g.add_argument("--max-model-len", type=int, default=None, help="context length cap")
     g.add_argument("--device-kv-gb", type=float, default=4.0, help="KV budget per device (GiB)")
@@ -86,7 +90,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
         device=args.device, num_threads=args.num_threads, kernel_path=args.kernel_path,
-        policy=args.policy, split_decode=args.split_decode, seed=args.seed,
+        policy=args.policy, split_decode=args.split_decode,
+        batch_invariant=args.batch_invariant, seed=args.seed,
         max_model_len=args.max_model_len,
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=args.max_num_batched_tokens,

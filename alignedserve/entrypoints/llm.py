@@ -30,10 +30,12 @@ class LLM:
                  host_kv_gb: float = 8.0, max_num_seqs: int = _SCHED.max_num_seqs,
                  max_num_batched_tokens: int = _SCHED.max_num_batched_tokens,
                  align_tolerance: int = _SCHED.align_tolerance,
-                 kv_cache_dtype: str = "auto", kernel_path: str | None = None, loaded=None):
+                 kv_cache_dtype: str = "auto", kernel_path: str | None = None,
+                 batch_invariant: bool = False, loaded=None):
         config = EngineConfig(
             model=model, dtype=dtype, kv_cache_dtype=kv_cache_dtype, device=device,
             num_threads=num_threads, kernel_path=kernel_path, policy=policy,
+            batch_invariant=batch_invariant,
             seed=seed, max_model_len=max_model_len,
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
                                       max_num_batched_tokens=max_num_batched_tokens,

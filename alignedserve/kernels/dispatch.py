@@ -79,11 +79,18 @@ class Kernels:
     Invariant: ``ext`` is a build whose ``compiled_path()`` is ``path``, loaded only on a CPU
     that supports ``path``; ``amx`` is True only where that build has the AMX kernels and the
     OS granted tile state. Instances are immutable and shared (``kernels_for_path``).
+
+    ``batch_invariant``: every op gives a row the same bits whatever else shares its step, at
+    any step size. Every path but ``amx`` is built that way and unchanged by it; on ``amx``
+    it makes the AMX linear take every row count, where by default steps of more than
+    ``linear.AMX_MAX_ROWS`` rows (and LM heads of more than ``AMX_MAX_ROWS_LM_HEAD``) go to
+    oneDNN, faster there but with a rounding that depends on the row count.
     """
 
-    def __init__(self, path: str, ext: ModuleType | None) -> None:
+    def __init__(self, path: str, ext: ModuleType | None, batch_invariant: bool = False) -> None:
         self.path = path
         self.ext = ext
+        self.batch_invariant = batch_invariant
         self.amx = ext is not None and path == "amx" and bool(ext.amx_available())
         # Tiles emulated in software (isa.amx_emulated): the amx path's logic, not its speed.
         self.amx_emulated = self.amx and bool(ext.amx_emulated())
@@ -289,28 +296,29 @@ def _warn_once(message: str) -> None:
 
 
 @functools.lru_cache(maxsize=None)
-def kernels_for_path(path: str) -> Kernels:
-    """The `Kernels` of ``path`` (built on first use). Raises ValueError for an unknown path
-    or one this CPU lacks, RuntimeError when its build fails or (AMX) the OS refuses tile
-    state; `select_kernels` turns those into a fallback."""
+def kernels_for_path(path: str, batch_invariant: bool = False) -> Kernels:
+    """The `Kernels` of ``path`` (built on first use; ``batch_invariant``: see `Kernels`).
+    Raises ValueError for an unknown path or one this CPU lacks, RuntimeError when its build
+    fails or (AMX) the OS refuses tile state; `select_kernels` turns those into a fallback."""
     isa.check_path(path)
     if path == "reference":
-        return Kernels(path, None)
+        return Kernels(path, None, batch_invariant)
     ext = load_extension(path)
     if ext is None:
         raise RuntimeError(f"the {path} kernels did not build (see the log above)")
     if ext.compiled_path() != path:
         raise RuntimeError(f"the {path} build targets {ext.compiled_path()}")
-    kernels = Kernels(path, ext)
+    kernels = Kernels(path, ext, batch_invariant)
     if path == "amx" and not kernels.amx:
         raise RuntimeError("the OS did not grant AMX tile state")
     return kernels
 
 
-def select_kernels(path: str | None = None) -> Kernels:
+def select_kernels(path: str | None = None, batch_invariant: bool = False) -> Kernels:
     """The kernels to run: ``path`` if given, else ``ALIGNEDSERVE_ISA``, else the best path
-    this CPU supports. A path that cannot run here (build failed, AMX not granted) falls to
-    the next lower one with a warning; naming a path the CPU lacks is a ValueError.
+    this CPU supports (``batch_invariant``: see `Kernels`). A path that cannot run here (build
+    failed, AMX not granted) falls to the next lower one with a warning; naming a path the CPU
+    lacks is a ValueError.
 
     Forcing a lower path than the CPU's best also caps oneDNN (torch's bf16 GEMMs, used where
     our kernels do not apply) at the same instruction set through ``ONEDNN_MAX_CPU_ISA``,
@@ -325,7 +333,7 @@ def select_kernels(path: str | None = None) -> Kernels:
     candidates = runnable[runnable.index(wanted):] if wanted else isa.cpu_paths()
     for candidate in candidates:
         try:
-            return kernels_for_path(candidate)
+            return kernels_for_path(candidate, batch_invariant)
         except RuntimeError as exc:
             log.warning("kernel path %s unavailable (%s); trying the next one", candidate, exc)
     raise AssertionError("the reference path cannot fail")

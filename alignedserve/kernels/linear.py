@@ -7,7 +7,8 @@ each batch size on its path (``Kernels.path``):
 
 * ``amx``: AMX tiles (``csrc/small_gemm.cpp``) up to ``AMX_MAX_ROWS`` rows
   (``AMX_MAX_ROWS_LM_HEAD`` for the 49k-wide LM head, where oneDNN catches up sooner), then
-  oneDNN's prepacked call up to ``PACKED_MAX_ROWS``, then plain ``F.linear``;
+  oneDNN's prepacked call up to ``PACKED_MAX_ROWS``, then plain ``F.linear``; with
+  ``Kernels.batch_invariant``, AMX tiles at every row count;
 * ``avx512_bf16`` and ``avx512``: the AVX-512 kernel (``csrc/linear_avx512.cpp``: vdpbf16ps,
   or without AVX512-BF16 the same products from FMAs) at every row count;
 * ``avx2``: the AVX2 FMA kernel (``csrc/linear_avx2.cpp``) at every row count (oneDNN has no
@@ -33,7 +34,8 @@ ask the kernel for ``silu(gate) * up`` straight from its accumulators: bit-ident
 
 The AMX, AVX-512 and AVX2 kernels compute every output element as the same sequence of
 products and sums whatever the batch, so a row's result does not depend on the rows beside
-it; oneDNN's blocking, and so its rounding, changes with the row count.
+it; oneDNN's blocking, and so its rounding, changes with the row count (hence the amx
+path's ``batch_invariant`` switch).
 """
 
 from __future__ import annotations
@@ -134,7 +136,8 @@ class PackedLinear(nn.Module):
         if kernels.amx and self.out_features % 16 == 0 and self.in_features % 32 == 0:
             self._kernel = ext.amx_linear
             tiles = ext.pack_weight(weight.detach())
-            self.kernel_max_rows = AMX_MAX_ROWS_LM_HEAD if lm_head else AMX_MAX_ROWS
+            self.kernel_max_rows = (_EVERY_ROW_COUNT if kernels.batch_invariant
+                                    else AMX_MAX_ROWS_LM_HEAD if lm_head else AMX_MAX_ROWS)
         elif (own := path_linear(kernels, weight)) is not None:
             self._kernel, pack = own
             self.fused_swiglu = (swiglu and kernels.avx512
