@@ -84,14 +84,14 @@ def compile_extension(name: str, path: str, csrc: Path, build_dir: Path,
                       emulated_amx: bool = False) -> ModuleType:
     """The extension ``name`` built from every source in ``csrc`` (a tree like ``CSRC``) with
     ``path``'s flags (`build_flags`) in ``build_dir``, or reused from there when nothing
-    changed. Raises what
-    the build or the import raises."""
+    changed. Raises what the build or the import raises."""
     from torch.utils import cpp_extension
 
     _ensure_ninja_on_path()
     build_dir.mkdir(parents=True, exist_ok=True)
     return cpp_extension.load(
-        name=name, sources=[str(csrc / s) for s in SOURCES], extra_cflags=build_flags(path, emulated_amx),
+        name=name, sources=[str(csrc / s) for s in SOURCES],
+        extra_cflags=build_flags(path, emulated_amx),
         extra_ldflags=["-fopenmp"], extra_include_paths=[str(csrc)],
         build_directory=str(build_dir), verbose=False)
 

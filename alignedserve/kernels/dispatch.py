@@ -76,15 +76,17 @@ class DecodeRows:
 class Kernels:
     """The ops of one path (``path``) over its compiled build (``ext``; None: reference).
 
-    Invariant: ``ext`` is a build whose ``compiled_path()`` is ``path``, loaded only on a CPU
-    that supports ``path``; ``amx`` is True only where that build has the AMX kernels and the
-    OS granted tile state. Instances are immutable and shared (``kernels_for_path``).
+    Invariant: ``ext`` is a build whose ``compiled_path()`` is ``path``, loaded only where
+    ``path`` can run (``isa.runnable_paths``: the CPU supports it, or amx on emulated tiles);
+    ``amx`` is True only where that build has the AMX kernels and the OS granted tile state.
+    Instances are immutable and shared (``kernels_for_path``).
 
     ``batch_invariant``: every op gives a row the same bits whatever else shares its step, at
     any step size. Every path but ``amx`` is built that way and unchanged by it; on ``amx``
     it makes the AMX linear take every row count, where by default steps of more than
     ``linear.AMX_MAX_ROWS`` rows (and LM heads of more than ``AMX_MAX_ROWS_LM_HEAD``) go to
-    oneDNN, faster there but with a rounding that depends on the row count.
+    oneDNN, faster there but with a rounding that depends on the row count. (A layer whose
+    shape no kernel of the path takes stays on torch's linear, on every path.)
     """
 
     def __init__(self, path: str, ext: ModuleType | None, batch_invariant: bool = False) -> None:

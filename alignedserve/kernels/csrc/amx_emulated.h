@@ -59,6 +59,11 @@ inline void load_config(const void* config) {
     return;
   }
   if (bytes[0] != 1) fault("palette other than 0 or 1", -1);
+  for (int t = kTiles; t < 16; ++t) {
+    if (bytes[48 + t] != 0 || bytes[16 + 2 * t] != 0 || bytes[17 + 2 * t] != 0) {
+      fault("palette 1 has eight tiles", t);
+    }
+  }
   for (int t = 0; t < kTiles; ++t) {
     uint16_t colsb;
     std::memcpy(&colsb, bytes + 16 + 2 * t, 2);
