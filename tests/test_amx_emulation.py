@@ -25,7 +25,8 @@ pytestmark = pytest.mark.skipif(
 
 # tile_product(a [M, 2K] bf16, b [K, 2N] bf16, c [M, N] fp32, k_rows) configures tiles 0 (C),
 # 1 (A), 2 (B, k_rows rows: K fits, anything else must fault), runs one tdpbf16ps and returns
-# C; unconfigured() zeroes a tile with no configuration loaded.
+# C; unconfigured() zeroes a tile with no configuration loaded; ninth_tile() configures a tile
+# palette 1 does not have.
 _GLUE = """
 #include "amx.h"
 #include <ATen/ATen.h>
@@ -49,6 +50,12 @@ at::Tensor tile_product(const at::Tensor& a, const at::Tensor& b, const at::Tens
   return out;
 }
 void unconfigured() { _tile_release(); _tile_zero(3); }
+void ninth_tile() {
+  amx::TileConfig cfg;
+  cfg.rows[8] = 16; cfg.colsb[8] = 64;
+  asm volatile("" ::: "memory");
+  _tile_loadconfig(&cfg);
+}
 bool emulated() { return amx::tiles_emulated() && amx::available(); }
 """
 
@@ -59,7 +66,7 @@ def glue(tmp_path_factory):
 
     directory = tmp_path_factory.mktemp("amx_emulation")
     module = load_inline(name="amx_emulation_test", cpp_sources=[_GLUE],
-                         functions=["tile_product", "unconfigured", "emulated"],
+                         functions=["tile_product", "unconfigured", "ninth_tile", "emulated"],
                          extra_cflags=["-O2", *EMULATED_AMX_FLAGS, f"-I{CSRC}"],
                          build_directory=str(directory))
     module.directory = directory
@@ -102,6 +109,7 @@ def _run_in_child(glue, call: str) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize("call,message", [
     ("g.tile_product(a, b, c, 5)", "tdpbf16ps tile shapes do not fit together"),
     ("g.unconfigured()", "tile used before ldtilecfg configured it"),
+    ("g.ninth_tile()", "palette 1 has eight tiles"),
 ])
 def test_what_faults_on_the_hardware_stops_the_process(glue, call: str, message: str):
     a, b, c = _operands(4, 4, 4, seed=1)
