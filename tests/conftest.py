@@ -57,6 +57,22 @@ def _emulate_amx_where_missing() -> None:
 _emulate_amx_where_missing()
 
 
+def path_skip_reason(path: str) -> str | None:
+    """Why the tests cannot run kernel path ``path`` here, or None where they can (the amx path
+    counts as runnable on emulated tiles: `isa.runnable_paths`)."""
+    from alignedserve.kernels import isa
+
+    if path in isa.runnable_paths():
+        return None
+    why = ""
+    if path == "amx":
+        why = (f" ({isa.AMX_EMULATE_ENV}=1 runs it on emulated tiles)"
+               if "avx512_bf16" in isa.cpu_paths() else
+               " (its emulated tiles need the avx512_bf16 path)")
+    return (f"the {path} path needs CPU features this machine lacks: "
+            f"{', '.join(isa.missing_flags(path))}{why}")
+
+
 def kernel_path_params(paths: tuple[str, ...]) -> list[Any]:
     """pytest params for kernel paths, each skipped (saying why) where it cannot run here; the
     amx path runs on emulated tiles (id ``amx-emulated``) where the CPU lacks AMX."""
@@ -64,14 +80,10 @@ def kernel_path_params(paths: tuple[str, ...]) -> list[Any]:
 
     params = []
     for path in paths:
-        missing = isa.missing_flags(path)
-        if path == "amx" and missing and isa.amx_emulated():
-            params.append(pytest.param(path, id="amx-emulated"))
-            continue
-        why = (" (its emulated tiles need the avx512_bf16 path)" if path == "amx" else "")
-        marks = [pytest.mark.skip(reason=f"the {path} path needs CPU features this machine "
-                                         f"lacks: {', '.join(missing)}{why}")] if missing else []
-        params.append(pytest.param(path, marks=marks, id=path))
+        reason = path_skip_reason(path)
+        marks = [pytest.mark.skip(reason=reason)] if reason else []
+        emulated = path == "amx" and reason is None and isa.amx_emulated()
+        params.append(pytest.param(path, marks=marks, id="amx-emulated" if emulated else path))
     return params
 
 

@@ -10,16 +10,14 @@ import torch
 import torch.nn.functional as F
 
 from alignedserve.kernels import kernels_for_path
-from alignedserve.kernels.isa import missing_flags, runnable_paths
 from alignedserve.kernels.linear import (AMX_MAX_ROWS, AMX_MAX_ROWS_LM_HEAD, PackedLinear,
                                          pack_linears)
+from tests.conftest import path_skip_reason
 from tests.model_utils import ours_from_hf, tiny_hf_model
 
-_RUNS = "amx" in runnable_paths()
-pytestmark = pytest.mark.skipif(not _RUNS, reason="the amx path needs CPU features this machine "
-                                f"lacks: {', '.join(missing_flags('amx'))} (its emulated tiles "
-                                "need the avx512_bf16 path)")
-amx = kernels_for_path("amx") if _RUNS else None
+_WHY_NOT = path_skip_reason("amx")
+pytestmark = pytest.mark.skipif(_WHY_NOT is not None, reason=_WHY_NOT or "")
+amx = None if _WHY_NOT else kernels_for_path("amx")
 kernels = None if amx is None else amx.ext
 
 
