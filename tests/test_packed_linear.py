@@ -10,10 +10,24 @@ import torch
 import torch.nn.functional as F
 
 from alignedserve.kernels import Kernels, kernels_for_path
-from alignedserve.kernels.linear import (PACKED_MAX_ROWS, PackedLinear, deinterleave_gate_up,
+from alignedserve.kernels.linear import (AMX_MAX_ROWS, AMX_MAX_ROWS_LM_HEAD, PACKED_MAX_ROWS,
+                                         PackedLinear, deinterleave_gate_up,
                                          interleave_gate_up, pack_linears, swap_rotary_quarters)
 from tests.conftest import kernel_path_params
 from tests.model_utils import our_logits, ours_from_hf, tiny_hf_model
+
+def epilogues_apply(kernels: Kernels, out_features: int, in_features: int, rows: int,
+                    lm_head: bool = False) -> bool:
+    """Whether the path's own kernel takes this layer at this batch size with its epilogues:
+    the AVX-512 one always; the AMX one where its tiles take the shape and up to the rows
+    where it hands over to oneDNN."""
+    if kernels.avx512:
+        return True
+    if kernels.amx:
+        return (out_features % 16 == 0 and in_features % 32 == 0
+                and rows <= (AMX_MAX_ROWS_LM_HEAD if lm_head else AMX_MAX_ROWS))
+    return False
+
 
 @pytest.mark.parametrize("rows", [1, 37, PACKED_MAX_ROWS, PACKED_MAX_ROWS + 1, 1100])
 @pytest.mark.parametrize("with_bias", [False, True])
@@ -117,6 +131,30 @@ def test_the_path_kernels_reject_bad_inputs(compiled: Kernels, kernel: str) -> N
     assert linear(x[:0], packed, None).shape == (0, 32)
 
 
+def test_the_epilogues_reject_bad_arguments(compiled: Kernels) -> None:
+    """The AVX-512 and AMX linears check their epilogue arguments alike (checks.h)."""
+    if not (compiled.avx512 or compiled.amx):
+        pytest.skip(f"the {compiled.path} path's linear has no epilogues")
+    ext = compiled.ext
+    linear, pack = ((ext.amx_linear, ext.pack_weight) if compiled.amx
+                    else (ext.linear_avx512, ext.pack_weight_avx512))
+    x = torch.randn(4, 64).bfloat16()
+    table = torch.randn(4, 64).bfloat16()
+    cos, sin = table[:, :32], table[:, 32:]
+    with pytest.raises(ValueError, match="swiglu epilogue needs"):
+        linear(x, pack(torch.randn(48, 64).bfloat16()), None, True)  # N % 32 != 0
+    packed = pack(torch.randn(192, 64).bfloat16())
+    with pytest.raises(ValueError, match="together"):
+        linear(x, packed, None, False, cos, None, 128)
+    with pytest.raises(ValueError, match="rotary_cols must be"):
+        linear(x, packed, None, False, cos, sin, 96)
+    with pytest.raises(ValueError, match="rotary_cols must be"):
+        linear(x, packed, None, True, cos, sin, 128)  # not with swiglu
+    with pytest.raises(ValueError, match="cos / sin must be"):
+        linear(x, packed, None, False, cos[:2], sin[:2], 128)
+    assert linear(x, packed, None, False, cos, sin, 128).shape == (4, 192)
+
+
 def pair_dot_sequence(x: torch.Tensor, weight: torch.Tensor,
                       bias: torch.Tensor | None) -> torch.Tensor:
     """linear_avx512's arithmetic written out in torch: each output starts at fp32 +0 and, per
@@ -154,7 +192,7 @@ def test_the_emulated_pair_dot_is_vdpbf16ps_arithmetic(path: str, out_features: 
 
 @pytest.mark.parametrize("out_features,in_features,rows,with_bias",
                          [(3072, 576, 64, False), (3072, 576, 1, False), (64, 40, 7, True),
-                          (96, 33, 13, True), (32, 576, 700, True)])
+                          (96, 33, 13, True), (32, 576, 700, True), (64, 64, 1100, True)])
 def test_fused_swiglu_is_bit_identical_to_linear_then_silu_mul(
         compiled: Kernels, out_features: int, in_features: int, rows: int,
         with_bias: bool) -> None:
@@ -170,8 +208,8 @@ def test_fused_swiglu_is_bit_identical_to_linear_then_silu_mul(
     want = compiled.silu_mul(plain(x))
     assert torch.equal(compiled.swiglu(fused, x), want)
     assert torch.equal(fused(x), plain(x))
-    if not compiled.avx512:
-        assert fused.silu_mul(x) is None and not fused.fused_swiglu
+    if not epilogues_apply(compiled, out_features, in_features, rows):
+        assert fused.silu_mul(x) is None
         return
     assert fused.fused_swiglu
     got = fused.silu_mul(x)
@@ -192,7 +230,7 @@ def test_pack_linears_fuses_only_gate_up(compiled: Kernels) -> None:
     pack_linears(model, compiled)
     fused = {name for name, m in model.named_modules()
              if isinstance(m, PackedLinear) and m.fused_swiglu}
-    if compiled.avx512:
+    if compiled.avx512 or compiled.amx:
         assert fused and all(name.endswith("gate_up_proj") for name in fused)
     else:
         assert not fused
@@ -221,8 +259,8 @@ def test_fused_rotary_is_bit_identical_to_linear_then_rotary_qkv(
     got = compiled.qkv_rotary(fused, x, cos, sin, heads, kv_heads, 64)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     assert torch.equal(fused(x), plain(x))
-    if not compiled.avx512:
-        assert fused.rotary(x, cos, sin, heads, kv_heads) is None and not fused.fused_rotary_cols
+    if not epilogues_apply(compiled, out_features, in_features, rows):
+        assert fused.rotary(x, cos, sin, heads, kv_heads) is None
         return
     assert fused.fused_rotary_cols == rotary_cols
     whole = fused.rotary(x, cos, sin, heads, kv_heads)
@@ -252,7 +290,7 @@ def test_pack_linears_packs_qkv_for_the_rotary_epilogue(compiled: Kernels) -> No
     pack_linears(model, compiled)
     fused = {name: m.fused_rotary_cols for name, m in model.named_modules()
              if isinstance(m, PackedLinear) and m.fused_rotary_cols}
-    if not compiled.avx512:
+    if not (compiled.avx512 or compiled.amx):
         assert not fused
         return
     assert set(fused) == {f"layers.{i}.self_attn.qkv_proj" for i in range(2)}
@@ -269,7 +307,8 @@ def test_pack_linears_packs_qkv_for_the_rotary_epilogue(compiled: Kernels) -> No
 
 @pytest.mark.parametrize("out_features,in_features,rows,bias_kind",
                          [(49152, 576, 64, None), (1000, 577, 1, "bf16"), (4099, 64, 7, "fp32"),
-                          (777, 33, 130, "bf16"), (16, 2, 3, None)])
+                          (777, 33, 130, "bf16"), (16, 2, 3, None), (4096, 64, 7, "fp32"),
+                          (1008, 64, 130, "bf16")])
 def test_greedy_epilogue_is_the_argmax_of_the_lm_heads_logits(
         compiled: Kernels, out_features: int, in_features: int, rows: int,
         bias_kind: str | None) -> None:
@@ -291,7 +330,7 @@ def test_greedy_epilogue_is_the_argmax_of_the_lm_heads_logits(
             bias[col] = 0
     head = PackedLinear(weight, bias, compiled, lm_head=True)
     want = compiled.argmax_rows(head(x))
-    if not compiled.avx512:
+    if not epilogues_apply(compiled, out_features, in_features, rows, lm_head=True):
         assert head.argmax(x) is None
         return
     got = head.argmax(x)
@@ -314,4 +353,4 @@ def test_greedy_steps_take_the_lm_heads_epilogue(compiled: Kernels) -> None:
     hidden = torch.randn(5, model.config.hidden_size).bfloat16()
     tokens = model.greedy_tokens(hidden)
     want = compiled.argmax_rows(model.compute_logits(hidden, widen=False))
-    assert tokens == (want if compiled.avx512 else None)
+    assert tokens == (want if compiled.avx512 or compiled.amx else None)

@@ -27,9 +27,10 @@ argmax                    AVX-512                     AVX-512         AVX-512   
 ========================  ==========================  ==============  ==============  =============
 
 The ``avx512`` path runs the ``avx512_bf16`` path's linear and prefill kernels with each
-``vdpbf16ps`` built from two AVX-512F FMAs (``csrc/bf16_pairs.h``). On both, SiLU·up is the
-epilogue of the gate_up linear (``swiglu``), and a step whose rows are all plain greedy takes
-its argmax from the LM head's epilogue (``PackedLinear.argmax``) instead of the logits.
+``vdpbf16ps`` built from two AVX-512F FMAs (``csrc/bf16_pairs.h``). On these two and on amx
+(where the AMX linear runs), RoPE is the epilogue of the qkv linear, SiLU·up that of the
+gate_up linear (``swiglu``), and a step whose rows are all plain greedy takes its argmax from
+the LM head's epilogue (``PackedLinear.argmax``) instead of the logits.
 
 The in-place ops differ by implementation in what happens to their inputs: the compiled
 ``add_rms_norm`` writes the sum into ``residual`` and ``rotary_qkv`` rotates ``qkv`` in place

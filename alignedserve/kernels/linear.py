@@ -20,17 +20,21 @@ Where the path's own kernel takes every batch size (``avx512_bf16``, ``avx512``,
 `pack_linears` then drops each layer's unpacked weight (`PackedLinear.release_weight`): the
 packing is the only copy the model holds, so its linears cost their size once, not twice.
 
-A fused qkv projection whose heads have 64 dims (``rotary_cols``: its q and k columns) is
-packed on the AVX-512 paths with each of those heads' 16-row blocks in the order dims
-[0, 16), [32, 48), [16, 32), [48, 64) (`swap_rotary_quarters`), so that each block pair holds
-the two halves rotate-half RoPE mixes and `PackedLinear.rotary` can ask the kernel for the
-rotated q and k straight from its accumulators: bit-identical to ``rotary_qkv(forward(x))``,
-without a second pass over the ``[rows, (H + 2 KVH) D]`` product.
+The AMX and AVX-512 kernels have epilogues (`OwnKernel`), each bit-identical to the plain
+product followed by the separate op, which never store the product and read it back:
 
-A fused ``[gate | up]`` projection (``swiglu=True``) on the AVX-512 paths is packed with its
-16-row blocks interleaved (gate 0, up 0, gate 1, ...) so that `PackedLinear.silu_mul` can
-ask the kernel for ``silu(gate) * up`` straight from its accumulators: bit-identical to
-``silu_mul(forward(x))``, without storing the ``[rows, 2 I]`` product and reading it back.
+* a fused qkv projection whose heads have 64 dims (``rotary_cols``: its q and k columns) is
+  packed with each of those heads' 16-row blocks in the order dims [0, 16), [32, 48),
+  [16, 32), [48, 64) (`swap_rotary_quarters`), so that each block pair holds the two halves
+  rotate-half RoPE mixes, and `PackedLinear.rotary` asks the kernel for the rotated q and k
+  (``rotary_qkv(forward(x))``);
+* a fused ``[gate | up]`` projection (``swiglu=True``) is packed with its 16-row blocks
+  interleaved (gate 0, up 0, gate 1, ...), and `PackedLinear.silu_mul` asks the kernel for
+  ``silu(gate) * up`` (``silu_mul(forward(x))``);
+* an LM head gives each row's greedy token (`PackedLinear.argmax`) without its logits.
+
+On the amx path they run where the AMX kernel does (up to ``kernel_max_rows``); above that
+the caller takes oneDNN's product of the natural weight and the separate op.
 
 The AMX, AVX-512 and AVX2 kernels compute every output element as the same sequence of
 products and sums whatever the batch, so a row's result does not depend on the rows beside
@@ -42,6 +46,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -103,6 +108,44 @@ def path_linear(kernels: Kernels, weight: Tensor) -> tuple[Callable, Callable] |
     return getattr(kernels.ext, f"linear_{name}"), getattr(kernels.ext, f"pack_weight_{name}")
 
 
+@dataclass(frozen=True)
+class OwnKernel:
+    """The path's own linear kernel for one weight: ``linear(x, tiles, bias[, swiglu, cos,
+    sin, rotary_cols])`` over ``pack(weight)``, taking up to ``max_rows`` rows; where it has
+    the epilogues (AMX and AVX-512), ``rotary`` (the rotary epilogue's q, k, v call) and
+    ``argmax`` (the greedy epilogue), else None."""
+
+    linear: Callable
+    pack: Callable
+    max_rows: int
+    rotary: Callable | None = None
+    argmax: Callable | None = None
+
+
+def own_kernel(kernels: Kernels, weight: Tensor, lm_head: bool = False) -> OwnKernel | None:
+    """`OwnKernel` of the path for a bf16 CPU ``weight`` (``lm_head``: an LM head, whose AMX
+    kernel hands over to oneDNN sooner), or None where the path has none for it: the reference
+    path, other dtypes and devices, and AMX shapes the tiles do not take (out_features % 16,
+    in_features % 32)."""
+    ext = kernels.ext
+    if kernels.amx:
+        out_features, in_features = weight.shape
+        if (out_features % 16 or in_features % 32 or weight.dtype != torch.bfloat16
+                or not weight.is_cpu):
+            return None
+        max_rows = (_EVERY_ROW_COUNT if kernels.batch_invariant
+                    else AMX_MAX_ROWS_LM_HEAD if lm_head else AMX_MAX_ROWS)
+        return OwnKernel(ext.amx_linear, ext.pack_weight, max_rows, ext.amx_linear_rotary_qkv,
+                         ext.amx_linear_argmax)
+    own = path_linear(kernels, weight)
+    if own is None:
+        return None
+    if kernels.avx512:
+        return OwnKernel(*own, _EVERY_ROW_COUNT, ext.linear_avx512_rotary_qkv,
+                         ext.linear_avx512_argmax)
+    return OwnKernel(*own, _EVERY_ROW_COUNT)
+
+
 class PackedLinear(nn.Module):
     """``y = x @ weight.T + bias`` for 2-D ``x`` through the kernel ``kernels`` picks per
     batch size (see the module docstring); N-D ``x`` takes ``F.linear``.
@@ -132,34 +175,30 @@ class PackedLinear(nn.Module):
         self._rotary_kernel = None  # the rotary epilogue (`rotary`), for a rotary packing
         self._argmax_kernel = None  # the greedy epilogue (`argmax`), for a plain-packed LM head
         tiles = None
-        ext = kernels.ext
-        if kernels.amx and self.out_features % 16 == 0 and self.in_features % 32 == 0:
-            self._kernel = ext.amx_linear
-            tiles = ext.pack_weight(weight.detach())
-            self.kernel_max_rows = (_EVERY_ROW_COUNT if kernels.batch_invariant
-                                    else AMX_MAX_ROWS_LM_HEAD if lm_head else AMX_MAX_ROWS)
-        elif (own := path_linear(kernels, weight)) is not None:
-            self._kernel, pack = own
-            self.fused_swiglu = (swiglu and kernels.avx512
+        own = own_kernel(kernels, weight, lm_head)
+        if own is not None:
+            self._kernel = own.linear
+            self.kernel_max_rows = own.max_rows
+            epilogues = own.argmax is not None
+            self.fused_swiglu = (swiglu and epilogues
                                  and self.out_features % (2 * _SWIGLU_BLOCK) == 0)
-            if (kernels.avx512 and rotary_cols > 0 and rotary_cols % ROTARY_HEAD_DIM == 0
+            if (epilogues and rotary_cols > 0 and rotary_cols % ROTARY_HEAD_DIM == 0
                     and rotary_cols <= self.out_features
                     and self.out_features % (2 * _SWIGLU_BLOCK) == 0 and not self.fused_swiglu):
                 self.fused_rotary_cols = rotary_cols
             if self.fused_swiglu:
-                tiles = pack(interleave_gate_up(weight.detach()))
+                tiles = own.pack(interleave_gate_up(weight.detach()))
                 if bias is not None:
                     self.kernel_bias = interleave_gate_up(bias.detach())
             elif self.fused_rotary_cols:
-                self._rotary_kernel = ext.linear_avx512_rotary_qkv
-                tiles = pack(swap_rotary_quarters(weight.detach(), rotary_cols))
+                self._rotary_kernel = own.rotary
+                tiles = own.pack(swap_rotary_quarters(weight.detach(), rotary_cols))
                 if bias is not None:
                     self.kernel_bias = swap_rotary_quarters(bias.detach(), rotary_cols)
             else:
-                tiles = pack(weight.detach())
-                if lm_head and kernels.avx512:
-                    self._argmax_kernel = ext.linear_avx512_argmax
-            self.kernel_max_rows = _EVERY_ROW_COUNT
+                tiles = own.pack(weight.detach())
+                if lm_head and epilogues:
+                    self._argmax_kernel = own.argmax
         self.register_buffer("tiles", tiles, persistent=False)
         self.packed_max_rows = (PACKED_MAX_ROWS if self.kernel_max_rows < PACKED_MAX_ROWS
                                 and onednn_packing_supported(weight) else 0)
@@ -207,7 +246,8 @@ class PackedLinear(nn.Module):
         """``silu(gate) * up`` of this ``[gate | up]`` projection of rows x [T, in], in one
         kernel call, where it was packed for that (``fused_swiglu``) and x is dense rows;
         else None (the caller applies its own ``silu_mul`` to `forward`'s output)."""
-        if self.fused_swiglu and x.dim() == 2 and x.stride(1) == 1:
+        if (self.fused_swiglu and x.dim() == 2 and x.stride(1) == 1
+                and x.shape[0] <= self.kernel_max_rows):
             return self._kernel(x, self._buffers["tiles"], self.kernel_bias, True)
         return None
 
@@ -217,7 +257,8 @@ class PackedLinear(nn.Module):
         stores the [T, out] product (an LM head's logits). None where this packing has no such
         kernel, x is not dense rows, or an output is a NaN (the caller then takes `forward` and
         its own argmax)."""
-        if self._argmax_kernel is None or x.dim() != 2 or x.stride(1) != 1 or not x.shape[0]:
+        if (self._argmax_kernel is None or x.dim() != 2 or x.stride(1) != 1 or not x.shape[0]
+                or x.shape[0] > self.kernel_max_rows):
             return None
         bias = self._parameters["bias"] if "bias" in self._parameters else self.bias
         tokens = self._argmax_kernel(x, self._buffers["tiles"], bias).tolist()
@@ -230,7 +271,8 @@ class PackedLinear(nn.Module):
         bit-identical to `forward` followed by ``Kernels.rotary_qkv``. None where it was not
         packed for that, x is not dense rows or cos / sin are not 2-d bf16 (the caller does
         the two steps)."""
-        if (self.fused_rotary_cols and x.dim() == 2 and x.stride(1) == 1 and cos.dim() == 2
+        if (self.fused_rotary_cols and x.dim() == 2 and x.stride(1) == 1
+                and x.shape[0] <= self.kernel_max_rows and cos.dim() == 2
                 and sin.dim() == 2 and cos.dtype == sin.dtype == torch.bfloat16
                 and (num_heads + num_kv_heads) * ROTARY_HEAD_DIM == self.fused_rotary_cols):
             return self._rotary_kernel(x, self._buffers["tiles"], self.kernel_bias, cos, sin,

@@ -1,6 +1,7 @@
 // Argument checks and the packed-weight trailer shared by the per-ISA kernels of one op: the
 // AVX512-BF16 and AVX2 linears take the same contract (csrc/linear_avx512.cpp,
-// csrc/linear_avx2.cpp), and so do the AVX512-BF16 and AVX2 prefill attentions
+// csrc/linear_avx2.cpp), the AVX512-BF16 and AMX linears the same epilogues
+// (csrc/small_gemm.cpp), and so do the AVX512-BF16 and AVX2 prefill attentions
 // (csrc/prefill_attention_avx512.cpp, csrc/prefill_attention_avx2.cpp). Each message starts
 // with the calling kernel's name. Linears raise ValueError (TORCH_CHECK_VALUE), prefill
 // attention RuntimeError (TORCH_CHECK), as their Python callers and tests expect.
@@ -12,6 +13,7 @@
 #include <cstdint>
 #include <cstring>
 #include <optional>
+#include <tuple>
 #include <utility>
 
 #include "tiled_layout.h"
@@ -72,6 +74,49 @@ inline at::Tensor linear_bias(const std::optional<at::Tensor>& bias_opt, int64_t
                     bias.scalar_type(), " ", bias.sizes());
   if (bias.scalar_type() != at::kBFloat16) bias = bias.to(at::kFloat);
   return bias.contiguous();
+}
+
+// The epilogue arguments of a linear of M rows and N output columns (linear_epilogue.h):
+// swiglu needs a block-interleaved [gate | up] weight, N % 32 == 0; rotary comes as cos, sin
+// ([M, 32] bf16 CPU rows) and rotary_cols, a multiple of 64 within N (heads of 64 dims), with
+// N % 32 == 0 and without swiglu.
+inline void linear_epilogue_args(int64_t M, int64_t N, bool swiglu,
+                                 const std::optional<at::Tensor>& cos_opt,
+                                 const std::optional<at::Tensor>& sin_opt, int64_t rotary_cols,
+                                 const char* kernel) {
+  TORCH_CHECK_VALUE(!swiglu || N % 32 == 0, kernel, ": the swiglu epilogue needs a "
+                    "block-interleaved [gate | up] weight, N % 32 == 0; got N = ", N);
+  TORCH_CHECK_VALUE(cos_opt.has_value() == sin_opt.has_value() &&
+                    cos_opt.has_value() == (rotary_cols > 0),
+                    kernel, ": the rotary epilogue takes cos, sin and rotary_cols > 0 together");
+  if (rotary_cols <= 0) return;
+  TORCH_CHECK_VALUE(!swiglu && rotary_cols % 64 == 0 && rotary_cols <= N && N % 32 == 0,
+                    kernel, ": rotary_cols must be a multiple of 64 within N = ", N,
+                    " (heads of 64 dims; N a multiple of 32), without swiglu; got ",
+                    rotary_cols);
+  for (const at::Tensor* t : {&*cos_opt, &*sin_opt})
+    TORCH_CHECK_VALUE(t->dim() == 2 && t->size(0) == M && t->size(1) == 32 &&
+                      t->scalar_type() == at::kBFloat16 && t->device().is_cpu() &&
+                      t->stride(1) == 1, kernel, ": cos / sin must be [", M, ", 32] bf16 "
+                      "CPU rows with a contiguous last dim, got ", t->scalar_type(), " ",
+                      t->sizes(), " strides ", t->strides());
+}
+
+// The rotary epilogue's product [M, (H + 2 KVH) * 64] as the attention takes it: views q
+// [M, H, 64], k and v [M, KVH, 64].
+inline std::tuple<at::Tensor, at::Tensor, at::Tensor> qkv_views(const at::Tensor& qkv,
+                                                                int64_t num_heads,
+                                                                int64_t num_kv_heads,
+                                                                const char* kernel) {
+  constexpr int64_t kHeadDim = 64;
+  const int64_t t = qkv.size(0), q_width = num_heads * kHeadDim,
+                kv_width = num_kv_heads * kHeadDim;
+  TORCH_CHECK_VALUE(qkv.size(1) == q_width + 2 * kv_width, kernel, ": the product is ",
+                    qkv.sizes(), ", not [T, (", num_heads, " + 2*", num_kv_heads, ") * 64]");
+  return std::make_tuple(qkv.narrow(1, 0, q_width).view({t, num_heads, kHeadDim}),
+                         qkv.narrow(1, q_width, kv_width).view({t, num_kv_heads, kHeadDim}),
+                         qkv.narrow(1, q_width + kv_width, kv_width)
+                             .view({t, num_kv_heads, kHeadDim}));
 }
 
 // Causal prefill attention: q [T, H, D] (heads dense within a token row), k and v

@@ -20,17 +20,18 @@
 //   swiglu : optional epilogue for a fused [gate | up] projection packed block-interleaved
 //            (W's rows in 16-row blocks gate 0, up 0, gate 1, up 1, ...; N % 32 == 0): out is
 //            [M, N / 2] = silu(gate) * up, rounded exactly as linear + silu_mul round it
-//            (gate and up to bf16 first, then fused.cpp's silu_mul arithmetic, vec.h), so the
-//            result is bit-identical to the two calls and the [M, N] product is never stored.
+//            (gate and up to bf16 first, then fused.cpp's silu_mul arithmetic;
+//            linear_epilogue.h), so the result is bit-identical to the two calls and the
+//            [M, N] product is never stored.
 //   rotary : optional epilogue for a fused qkv projection whose first rotary_cols / 64 heads
 //            (q and k; head_dim 64, one panel each) take rotate-half RoPE: W's rows packed
 //            with each such head's 16-row blocks in the order dims [0, 16), [32, 48),
 //            [16, 32), [48, 64) (so each block pair holds the x1 and x2 halves RoPE mixes), and
 //            cos / sin [M, 32] bf16 rows. out is [M, N] in W's natural column order with those
 //            heads rotated, rounded exactly as linear + fused.cpp's rotary_qkv_ round them
-//            (the product to bf16 first, then rotary_row's arithmetic, vec.h), so the result
-//            is bit-identical to the two calls. Without rotary such a packing's product comes
-//            out in the packed order (the caller restores it).
+//            (the product to bf16 first, then rotary_row's arithmetic; linear_epilogue.h), so
+//            the result is bit-identical to the two calls. Without rotary such a packing's
+//            product comes out in the packed order (the caller restores it).
 //   greedy : linear_avx512_argmax: instead of out, each row's index of the first maximum of
 //            its bf16 outputs (exactly the values out would hold), or -1 where one of them is
 //            a NaN; the same index as fused.cpp's argmax_rows over out. The [M, N] product
@@ -74,8 +75,6 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
-#include <iterator>
-#include <limits>
 #include <memory>
 #include <optional>
 #include <tuple>
@@ -84,8 +83,8 @@
 
 #include "bf16_pairs.h"  // vdpbf16ps, or its AVX-512F equivalent (the avx512 path)
 #include "checks.h"
+#include "linear_epilogue.h"  // what the epilogues compute (SwiGLU, RoPE, greedy)
 #include "release_gil.h"
-#include "vec.h"  // the SwiGLU epilogue: silu_mul's arithmetic
 
 #if defined(ALIGNEDSERVE_AVX512)
 #define ALIGNEDSERVE_LINEAR_AVX512 1
@@ -115,14 +114,7 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 // takes two registers (bf16::Pairs without AVX512-BF16; see "Speed" above).
 constexpr int kRows = bf16::kNativeDot ? 6 : 5;
 
-// The greedy epilogue's state of one row over one thread's columns: per lane, the largest
-// rounded output seen so far and its column (the first such: columns come in ascending order
-// and only a strictly larger value replaces it), and the lanes that saw a NaN.
-struct alignas(64) RowMax {
-  float best[kBlock];
-  int32_t at[kBlock];
-  uint32_t nan;
-};
+using epilogue::RowMax;
 
 struct Problem {
   const uint16_t* x;  // [M, K], row stride x_stride (elements)
@@ -199,16 +191,9 @@ inline __attribute__((always_inline)) void pull(const Problem& P, int64_t m, int
       _mm_prefetch(ahead.x + r * ahead.x_row + p * ahead.x_bytes, _MM_HINT_T1);
 }
 
-// r(v) as linear_avx512 stores it, widened back to fp32 exactly: what the epilogues start from.
-inline __attribute__((always_inline)) Vec rounded(__m512 v) {
-  const __m512i bf = _mm512_cvtepu16_epi32(bf16::round16(v));
-  return Vec{_mm512_castsi512_ps(_mm512_slli_epi32(bf, 16))};
-}
-
 // The rotary epilogue's store (file comment): packed block pair (c, c + 1) of the tile holds
 // dims [d, d + 16) and [d + 32, d + 48) of head (col / 16 + c) / 4, d = 0 or 16 by the pair's
-// place in the head; each is rounded as the linear stores it, then rotated as rotary_row
-// rotates the stored row.
+// place in the head.
 template <int R, int C>
 inline __attribute__((always_inline)) void rotate(const Problem& P, int64_t m, int64_t col,
                                                   __m512 (&acc)[R][C], const __m512 (&bias)[C]) {
@@ -218,44 +203,29 @@ inline __attribute__((always_inline)) void rotate(const Problem& P, int64_t m, i
     const int64_t d = block % kPanelBlocks / 2 * kBlock;
     const int64_t x1_col = block / kPanelBlocks * kPanelBlocks * kBlock + d;
 #pragma GCC unroll 6
-    for (int r = 0; r < R; ++r) {
-      const Vec cs = vload(P.cos + (m + r) * P.cos_stride + d, kBlock);
-      const Vec sn = vload(P.sin + (m + r) * P.sin_stride + d, kBlock);
-      const Vec x1 = rounded(_mm512_add_ps(acc[r][c], bias[c]));
-      const Vec x2 = rounded(_mm512_add_ps(acc[r][c + 1], bias[c + 1]));
-      uint16_t* out = P.out + (m + r) * P.N + x1_col;
-      vstore(out, vround(x1 * cs) - vround(x2 * sn), kBlock);
-      vstore(out + 2 * kBlock, vround(x2 * cs) + vround(x1 * sn), kBlock);
-    }
+    for (int r = 0; r < R; ++r)
+      epilogue::store_rotated(P.out + (m + r) * P.N + x1_col,
+                              _mm512_add_ps(acc[r][c], bias[c]),
+                              _mm512_add_ps(acc[r][c + 1], bias[c + 1]),
+                              P.cos + (m + r) * P.cos_stride + d,
+                              P.sin + (m + r) * P.sin_stride + d);
   }
 }
 
-// The greedy epilogue (file comment): each output rounded as the linear stores it, compared
-// lane by lane with its row's state (only the valid columns of a block).
+// The greedy epilogue (file comment): each row's blocks in column order into its state (only
+// the valid columns of a block).
 template <int R, int C>
 inline __attribute__((always_inline)) void track_max(const Problem& P, int64_t m, int64_t col,
                                                      __m512 (&acc)[R][C],
                                                      const __m512 (&bias)[C],
                                                      const __mmask16 (&mask)[C]) {
-  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
 #pragma GCC unroll 6
   for (int r = 0; r < R; ++r) {
-    RowMax& s = P.row_max[m + r];
-    __m512 best = _mm512_load_ps(s.best);
-    __m512i at = _mm512_load_si512(s.at);
-    __mmask16 nan = static_cast<__mmask16>(s.nan);
+    epilogue::RowMaxRegs s(P.row_max[m + r]);
 #pragma GCC unroll 4
-    for (int c = 0; c < C; ++c) {
-      const __m512 v = rounded(_mm512_add_ps(acc[r][c], bias[c])).r;
-      nan |= _mm512_mask_cmp_ps_mask(mask[c], v, v, _CMP_UNORD_Q);
-      const __mmask16 up = _mm512_mask_cmp_ps_mask(mask[c], v, best, _CMP_GT_OQ);
-      best = _mm512_mask_mov_ps(best, up, v);
-      at = _mm512_mask_mov_epi32(
-          at, up, _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int>(col + c * kBlock))));
-    }
-    _mm512_store_ps(s.best, best);
-    _mm512_store_si512(s.at, at);
-    s.nan = nan;
+    for (int c = 0; c < C; ++c)
+      s.track(_mm512_add_ps(acc[r][c], bias[c]), mask[c], col + c * kBlock);
+    s.store(P.row_max[m + r]);
   }
 }
 
@@ -292,9 +262,9 @@ inline __attribute__((always_inline)) void finish(const Problem& P, int64_t m, i
     for (int r = 0; r < R; ++r)
 #pragma GCC unroll 2
       for (int c = 0; c + 1 < C; c += 2) {
-        const Vec gate = rounded(_mm512_add_ps(acc[r][c], bias[c]));
-        const Vec up = rounded(_mm512_add_ps(acc[r][c + 1], bias[c + 1]));
-        vstore(out_at_row(P, m + r, col) + c / 2 * kBlock, silu_times(gate, up), kBlock);
+        epilogue::store_silu_times(out_at_row(P, m + r, col) + c / 2 * kBlock,
+                                   _mm512_add_ps(acc[r][c], bias[c]),
+                                   _mm512_add_ps(acc[r][c + 1], bias[c + 1]));
       }
     return;
   }
@@ -573,27 +543,6 @@ at::Tensor pack_weight_avx512(const at::Tensor& w) {
   return packed;
 }
 
-#ifdef ALIGNEDSERVE_LINEAR_AVX512
-// Row m's greedy token from the parts' states (parts in column order): a part's first maximum
-// is the smallest column among the lanes holding its largest value; a later part wins only
-// with a strictly larger one. -1 where any part saw a NaN.
-int64_t first_max(const RowMax* states, int64_t parts, int64_t M, int64_t m) {
-  int64_t token = 0;
-  float top = 0.0f;
-  for (int64_t j = 0; j < parts; ++j) {
-    const RowMax& s = states[j * M + m];
-    if (s.nan) return -1;
-    const __m512 best = _mm512_load_ps(s.best);
-    const float t = _mm512_reduce_max_ps(best);
-    if (j == 0 || t > top) {
-      const __mmask16 holders = _mm512_cmp_ps_mask(best, _mm512_set1_ps(t), _CMP_EQ_OQ);
-      top = t;
-      token = _mm512_mask_reduce_min_epi32(holders, _mm512_load_si512(s.at));
-    }
-  }
-  return token;
-}
-#endif
 
 // linear_avx512, or with `greedy` each row's first-maximum index (file comment) in place of
 // the product.
@@ -607,25 +556,8 @@ at::Tensor run_linear(const at::Tensor& x, const at::Tensor& packed,
                                            "pack_weight_avx512");
   checks::linear_input(x, K, "linear_avx512");
   const at::Tensor bias = checks::linear_bias(bias_opt, N, "linear_avx512");
-  TORCH_CHECK_VALUE(!swiglu || N % (2 * kBlock) == 0, "linear_avx512: the swiglu epilogue "
-                    "needs a block-interleaved [gate | up] weight, N % 32 == 0; got N = ", N);
   const int64_t M = x.size(0);
-  TORCH_CHECK_VALUE(cos_opt.has_value() == sin_opt.has_value() &&
-                    cos_opt.has_value() == (rotary_cols > 0),
-                    "linear_avx512: the rotary epilogue takes cos, sin and rotary_cols > 0 "
-                    "together");
-  if (rotary_cols > 0) {
-    TORCH_CHECK_VALUE(!swiglu && rotary_cols % (kPanelBlocks * kBlock) == 0 &&
-                      rotary_cols <= N && N % (2 * kBlock) == 0, "linear_avx512: rotary_cols "
-                      "must be a multiple of 64 within N = ", N, " (heads of 64 dims; N a "
-                      "multiple of 32), without swiglu; got ", rotary_cols);
-    for (const at::Tensor* t : {&*cos_opt, &*sin_opt})
-      TORCH_CHECK_VALUE(t->dim() == 2 && t->size(0) == M && t->size(1) == kBlock * 2 &&
-                        t->scalar_type() == at::kBFloat16 && t->device().is_cpu() &&
-                        t->stride(1) == 1, "linear_avx512: cos / sin must be [", M, ", 32] bf16 "
-                        "CPU rows with a contiguous last dim, got ", t->scalar_type(), " ",
-                        t->sizes(), " strides ", t->strides());
-  }
+  checks::linear_epilogue_args(M, N, swiglu, cos_opt, sin_opt, rotary_cols, "linear_avx512");
   const int64_t out_cols = swiglu ? N / 2 : N;
   at::Tensor out = greedy ? at::empty({M}, x.options().dtype(at::kLong))
                           : at::empty({M, out_cols}, x.options());
@@ -691,11 +623,7 @@ at::Tensor run_linear(const at::Tensor& x, const at::Tensor& packed,
   const int64_t unit = swiglu || rotary_cols > 0 ? 2 : 1, units = NB / unit;
   // Greedy: one state per row for each of the tn column ranges (a part's rows own theirs).
   std::vector<RowMax> states(greedy ? tn * M : 0);
-  for (RowMax& s : states) {
-    std::fill(std::begin(s.best), std::end(s.best), -std::numeric_limits<float>::infinity());
-    std::fill(std::begin(s.at), std::end(s.at), 0);
-    s.nan = 0;
-  }
+  for (RowMax& s : states) s.reset();
   at::parallel_for(0, T, 1, [&](int64_t lo, int64_t hi) {
     for (int64_t t = lo; t < hi; ++t) {  // hi > lo + 1 only where the region runs serially
       const int64_t i = t / tn, jn = t % tn;
@@ -707,7 +635,7 @@ at::Tensor run_linear(const at::Tensor& x, const at::Tensor& packed,
   });
   if (greedy) {
     int64_t* tokens = out.data_ptr<int64_t>();
-    for (int64_t m = 0; m < M; ++m) tokens[m] = first_max(states.data(), tn, M, m);
+    for (int64_t m = 0; m < M; ++m) tokens[m] = epilogue::first_max(states.data(), tn, M, m);
   }
 #endif
   return out;
@@ -731,20 +659,11 @@ at::Tensor linear_avx512_argmax(const at::Tensor& x, const at::Tensor& packed,
 std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_avx512_rotary_qkv(
     const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
     const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads, int64_t num_kv_heads) {
-  constexpr int64_t kHeadDim = kPanelBlocks * kBlock;
   TORCH_CHECK_VALUE(num_heads > 0 && num_kv_heads > 0, "linear_avx512_rotary_qkv: need "
                     "positive head counts, got ", num_heads, " and ", num_kv_heads);
   const at::Tensor qkv = linear_avx512(x, packed, bias, false, cos, sin,
-                                       (num_heads + num_kv_heads) * kHeadDim);
-  const int64_t t = qkv.size(0), q_width = num_heads * kHeadDim,
-                kv_width = num_kv_heads * kHeadDim;
-  TORCH_CHECK_VALUE(qkv.size(1) == q_width + 2 * kv_width, "linear_avx512_rotary_qkv: the "
-                    "product is ", qkv.sizes(), ", not [T, (", num_heads, " + 2*",
-                    num_kv_heads, ") * 64]");
-  return std::make_tuple(qkv.narrow(1, 0, q_width).view({t, num_heads, kHeadDim}),
-                         qkv.narrow(1, q_width, kv_width).view({t, num_kv_heads, kHeadDim}),
-                         qkv.narrow(1, q_width + kv_width, kv_width)
-                             .view({t, num_kv_heads, kHeadDim}));
+                                       (num_heads + num_kv_heads) * kPanelBlocks * kBlock);
+  return checks::qkv_views(qkv, num_heads, num_kv_heads, "linear_avx512_rotary_qkv");
 }
 
 }  // namespace

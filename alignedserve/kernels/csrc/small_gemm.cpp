@@ -7,6 +7,15 @@
 //            W[16 j + c, 32 i + 2 r + e]. pack_weight() makes it.
 //   bias   : [N] (any float dtype) or empty.
 //   out    : [M, N] bf16; products and sums in fp32, one rounding to bf16 at the end.
+//   Epilogues, as linear_avx512 has them and with its contract (that file's comment;
+//   linear_epilogue.h computes them for both): swiglu (W a block-interleaved [gate | up]
+//   projection, N % 32 == 0: out [M, N / 2] = silu(gate) * up), rotary (cos / sin [M, 32]
+//   bf16 and rotary_cols: RoPE on the q and k heads of a qkv projection packed with each
+//   head's 16-row blocks in the order dims [0, 16), [32, 48), [16, 32), [48, 64); out in W's
+//   natural order), and amx_linear_argmax (each row's first maximum of its bf16 outputs, -1
+//   where one is a NaN; out never stored). Each is bit-identical to amx_linear followed by
+//   fused.cpp's op. A weight column pair (32 columns, two accumulator tiles) is one (gate, up)
+//   or (x1, x2) block pair of those packings.
 //
 // Why: at decode shapes (tens of rows) a linear layer should stream its weight once at memory
 // speed, with the arithmetic hidden behind the loads. oneDNN's prepacked bf16 matmul reaches
@@ -34,9 +43,16 @@
 #include <cstdint>
 #include <cstring>
 #include <optional>
+#include <tuple>
+#include <vector>
 
 #include "amx.h"  // defines ALIGNEDSERVE_AMX where the build targets AMX-BF16
+#include "checks.h"
 #include "release_gil.h"
+
+#ifdef ALIGNEDSERVE_AMX
+#include "linear_epilogue.h"
+#endif
 
 namespace alignedserve {
 namespace {
@@ -56,24 +72,62 @@ struct Problem {
   int64_t x_stride;      // elements between rows of x
   const uint16_t* w;     // packed weight
   const float* bias;     // [N] fp32 or null
-  uint16_t* out;         // [M, N]
+  uint16_t* out;         // [M, out_cols], or null with the greedy epilogue
   int64_t M, N, K, m_tiles;
+  bool swiglu;           // column pairs (gate, up) -> silu(gate) * up; out_cols = N / 2
+  int64_t out_cols;
+  // RoPE epilogue: columns below rotary_cols, cos / sin rows (elements apart).
+  int64_t rotary_cols = 0;
+  const uint16_t* cos = nullptr;
+  const uint16_t* sin = nullptr;
+  int64_t cos_stride = 0, sin_stride = 0;
+  // Greedy epilogue: rows [0, M) of this thread's columns.
+  epilogue::RowMax* row_max = nullptr;
 };
 
-// fp32 accumulator tile (16 x 16, in `acc`) -> bf16 output rows [row0, min(row0 + 16, M)).
-inline void store_tile(const Problem& P, const float* acc, int64_t row0, int64_t col0) {
-  const __m512 b = P.bias ? _mm512_loadu_ps(P.bias + col0) : _mm512_setzero_ps();
+inline __m512 bias_at(const Problem& P, int64_t col) {
+  return P.bias ? _mm512_loadu_ps(P.bias + col) : _mm512_setzero_ps();
+}
+
+// Accumulator tiles (16 x 16 fp32) of row tile row0 -> output: acc0 holds columns
+// [col0, col0 + 16), acc1 (null for a last odd block) the next 16. Plain: bias, one rounding,
+// store. Epilogues (file comment): the pair is one (gate, up) or (x1, x2) block pair, or feeds
+// each row's greedy state in column order.
+void finish(const Problem& P, const float* acc0, const float* acc1, int64_t row0,
+            int64_t col0) {
+  const __m512 b0 = bias_at(P, col0);
+  const __m512 b1 = acc1 ? bias_at(P, col0 + kCols) : _mm512_setzero_ps();
   const int64_t rows = std::min(kRows, P.M - row0);
   for (int64_t r = 0; r < rows; ++r) {
-    const __m512 v = _mm512_add_ps(_mm512_load_ps(acc + r * kCols), b);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(P.out + (row0 + r) * P.N + col0),
-                        reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
+    const int64_t m = row0 + r;
+    const __m512 v0 = _mm512_add_ps(_mm512_load_ps(acc0 + r * kCols), b0);
+    const __m512 v1 = acc1 ? _mm512_add_ps(_mm512_load_ps(acc1 + r * kCols), b1) : v0;
+    if (P.row_max) {
+      epilogue::RowMaxRegs state(P.row_max[m]);
+      state.track(v0, 0xFFFF, col0);
+      if (acc1) state.track(v1, 0xFFFF, col0 + kCols);
+      state.store(P.row_max[m]);
+    } else if (P.swiglu) {
+      epilogue::store_silu_times(P.out + m * P.out_cols + col0 / 2, v0, v1);
+    } else if (col0 < P.rotary_cols) {
+      // Block pair col0 / 32 of a head holds dims [d, d + 16) and [d + 32, d + 48).
+      const int64_t d = col0 % 64 / 2, x1_col = col0 / 64 * 64 + d;
+      epilogue::store_rotated(P.out + m * P.N + x1_col, v0, v1, P.cos + m * P.cos_stride + d,
+                              P.sin + m * P.sin_stride + d);
+    } else {
+      uint16_t* out = P.out + m * P.N + col0;
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out),
+                          reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v0)));
+      if (acc1)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + kCols),
+                            reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v1)));
+    }
   }
 }
 
 // Output columns [32 j, 32 j + 32) (or 16 when kPair is false: the last odd block) for row
-// tiles m0 and m0 + 1 (m0 only when kTwoRows is false). The tile numbers are compile-time constants, as the
-// intrinsics require.
+// tiles m0 and m0 + 1 (m0 only when kTwoRows is false). The tile numbers are compile-time
+// constants, as the intrinsics require. `acc`: two tiles' room.
 template <bool kPair, bool kTwoRows>
 void block(const Problem& P, int64_t j, int64_t m0, float* acc) {
   const int64_t k_blocks = P.K / kDepth;
@@ -101,19 +155,14 @@ void block(const Problem& P, int64_t j, int64_t m0, float* acc) {
     }
   }
   const int64_t col0 = 2 * j * kCols, row0 = m0 * kRows;
+  float* acc1 = kPair ? acc + kRows * kCols : nullptr;
   _tile_stored(0, acc, 64);
-  store_tile(P, acc, row0, col0);
-  if constexpr (kPair) {
-    _tile_stored(1, acc, 64);
-    store_tile(P, acc, row0, col0 + kCols);
-  }
+  if constexpr (kPair) _tile_stored(1, acc1, 64);
+  finish(P, acc, acc1, row0, col0);
   if constexpr (kTwoRows) {
     _tile_stored(2, acc, 64);
-    store_tile(P, acc, row0 + kRows, col0);
-    if constexpr (kPair) {
-      _tile_stored(3, acc, 64);
-      store_tile(P, acc, row0 + kRows, col0 + kCols);
-    }
+    if constexpr (kPair) _tile_stored(3, acc1, 64);
+    finish(P, acc, acc1, row0 + kRows, col0);
   }
 }
 
@@ -143,8 +192,13 @@ at::Tensor pack_weight(const at::Tensor& w) {
   return w.reshape({N / 16, 16, K / 32, 16, 2}).permute({0, 2, 3, 1, 4}).contiguous();
 }
 
-at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed,
-                      const std::optional<at::Tensor>& bias_opt) {
+// amx_linear, or with `greedy` each row's first-maximum index (file comment) in place of the
+// product.
+at::Tensor run_amx_linear(const at::Tensor& x, const at::Tensor& packed,
+                          const std::optional<at::Tensor>& bias_opt, bool swiglu,
+                          const std::optional<at::Tensor>& cos_opt,
+                          const std::optional<at::Tensor>& sin_opt, int64_t rotary_cols,
+                          bool greedy) {
   const at::Tensor bias = bias_opt.value_or(at::Tensor());
   TORCH_CHECK_VALUE(amx::available(), "amx_linear: AMX-BF16 is not available");
   TORCH_CHECK_VALUE(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.device().is_cpu() &&
@@ -159,7 +213,10 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed,
                     " features, the weight takes ", packed.size(1) * 32);
   TORCH_CHECK_VALUE(!bias.defined() || bias.numel() == N, "amx_linear: bias must have ", N,
                     " elements");
-  at::Tensor out = at::empty({M, N}, x.options());
+  checks::linear_epilogue_args(M, N, swiglu, cos_opt, sin_opt, rotary_cols, "amx_linear");
+  const int64_t out_cols = swiglu ? N / 2 : N;
+  at::Tensor out = greedy ? at::empty({M}, x.options().dtype(at::kLong))
+                          : at::empty({M, out_cols}, x.options());
 #ifdef ALIGNEDSERVE_AMX
   if (M == 0) return out;
   // Whole row tiles: the last tile's missing rows read zeros, their results are not stored.
@@ -174,20 +231,64 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed,
     std::memset(dst + M * K, 0, (m_tiles * kRows - M) * K * 2);
   }
   at::Tensor bias_f = bias.defined() ? bias.to(at::kFloat).contiguous() : at::Tensor();
-  const Problem P{reinterpret_cast<const uint16_t*>(xp.data_ptr()), xp.stride(0),
-                  reinterpret_cast<const uint16_t*>(packed.data_ptr()),
-                  bias_f.defined() ? bias_f.data_ptr<float>() : nullptr,
-                  reinterpret_cast<uint16_t*>(out.data_ptr()), M, N, K, m_tiles};
+  Problem P{reinterpret_cast<const uint16_t*>(xp.data_ptr()), xp.stride(0),
+            reinterpret_cast<const uint16_t*>(packed.data_ptr()),
+            bias_f.defined() ? bias_f.data_ptr<float>() : nullptr,
+            greedy ? nullptr : reinterpret_cast<uint16_t*>(out.data_ptr()),
+            M, N, K, m_tiles, swiglu, out_cols};
+  if (rotary_cols > 0) {
+    P.rotary_cols = rotary_cols;
+    P.cos = static_cast<const uint16_t*>(cos_opt->data_ptr());
+    P.sin = static_cast<const uint16_t*>(sin_opt->data_ptr());
+    P.cos_stride = cos_opt->stride(0), P.sin_stride = sin_opt->stride(0);
+  }
+  // Contiguous ranges of column pairs: each part streams one run of weight memory front to
+  // back; with the greedy epilogue each part keeps its rows' states, merged in column order.
   const int64_t pairs = (N / kCols + 1) / 2;
-  // Contiguous ranges: each thread streams one run of weight memory front to back.
-  at::parallel_for(0, pairs, 1, [&](int64_t lo, int64_t hi) {
-    alignas(64) float acc[kRows * kCols];
+  const int64_t T = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), pairs));
+  std::vector<epilogue::RowMax> states(greedy ? T * M : 0);
+  for (epilogue::RowMax& s : states) s.reset();
+  at::parallel_for(0, T, 1, [&](int64_t lo, int64_t hi) {
+    alignas(64) float acc[2 * kRows * kCols];
     amx::configure_tiles();
-    for (int64_t j = lo; j < hi; ++j) column_pair(P, j, acc);
+    for (int64_t t = lo; t < hi; ++t) {  // hi > lo + 1 only where the region runs serially
+      Problem own = P;
+      if (greedy) own.row_max = states.data() + t * M;
+      for (int64_t j = pairs * t / T; j < pairs * (t + 1) / T; ++j) column_pair(own, j, acc);
+    }
     _tile_release();
   });
+  if (greedy) {
+    int64_t* tokens = out.data_ptr<int64_t>();
+    for (int64_t m = 0; m < M; ++m) tokens[m] = epilogue::first_max(states.data(), T, M, m);
+  }
 #endif
   return out;
+}
+
+at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed,
+                      const std::optional<at::Tensor>& bias, bool swiglu,
+                      const std::optional<at::Tensor>& cos,
+                      const std::optional<at::Tensor>& sin, int64_t rotary_cols) {
+  return run_amx_linear(x, packed, bias, swiglu, cos, sin, rotary_cols, false);
+}
+
+// An LM head's greedy tokens without its logits (file comment).
+at::Tensor amx_linear_argmax(const at::Tensor& x, const at::Tensor& packed,
+                             const std::optional<at::Tensor>& bias) {
+  return run_amx_linear(x, packed, bias, false, std::nullopt, std::nullopt, 0, true);
+}
+
+// The rotary epilogue's call as the attention takes it: views (q [M, H, 64], k and v
+// [M, KVH, 64]) of the one product.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> amx_linear_rotary_qkv(
+    const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
+    const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads, int64_t num_kv_heads) {
+  TORCH_CHECK_VALUE(num_heads > 0 && num_kv_heads > 0, "amx_linear_rotary_qkv: need "
+                    "positive head counts, got ", num_heads, " and ", num_kv_heads);
+  const at::Tensor qkv = amx_linear(x, packed, bias, false, cos, sin,
+                                    (num_heads + num_kv_heads) * 64);
+  return checks::qkv_views(qkv, num_heads, num_kv_heads, "amx_linear_rotary_qkv");
 }
 
 }  // namespace
@@ -200,8 +301,20 @@ void register_small_gemm(pybind11::module_& m) {
         "W [N, K] bf16 -> [N/16, K/32, 16, 16, 2], the tile layout amx_linear takes.",
         arg("weight"));
   m.def("amx_linear", &amx_linear, kReleaseGil,
-        "y = x . W^T + bias on AMX, for small batches (bf16).",
-        arg("x"), arg("packed"), arg("bias"));
+        "y = x . W^T + bias on AMX, for small batches (bf16); a row's result does not depend "
+        "on the batch it is in. swiglu, cos / sin and rotary_cols: the epilogues, as "
+        "linear_avx512 takes them.",
+        arg("x"), arg("packed"), arg("bias") = pybind11::none(), arg("swiglu") = false,
+        arg("cos") = pybind11::none(), arg("sin") = pybind11::none(), arg("rotary_cols") = 0);
+  m.def("amx_linear_argmax", &amx_linear_argmax, kReleaseGil,
+        "int64 [M]: each row's index of the first maximum of x . W^T + bias (bf16, as "
+        "amx_linear rounds it), or -1 where the row holds a NaN; the product is never stored.",
+        arg("x"), arg("packed"), arg("bias") = pybind11::none());
+  m.def("amx_linear_rotary_qkv", &amx_linear_rotary_qkv, kReleaseGil,
+        "amx_linear with the rotary epilogue on the q and k heads (64 dims each) of a qkv "
+        "projection packed for it; views (q, k, v) of the product.",
+        arg("x"), arg("packed"), arg("bias"), arg("cos"), arg("sin"), arg("num_heads"),
+        arg("num_kv_heads"));
 }
 
 }  // namespace alignedserve
