@@ -121,6 +121,11 @@ class OwnKernel:
     rotary: Callable | None = None
     argmax: Callable | None = None
 
+    @property
+    def epilogues(self) -> bool:
+        """Whether the kernel has the SwiGLU, RoPE and greedy epilogues."""
+        return self.argmax is not None
+
 
 def own_kernel(kernels: Kernels, weight: Tensor, lm_head: bool = False) -> OwnKernel | None:
     """`OwnKernel` of the path for a bf16 CPU ``weight`` (``lm_head``: an LM head, whose AMX
@@ -179,7 +184,7 @@ class PackedLinear(nn.Module):
         if own is not None:
             self._kernel = own.linear
             self.kernel_max_rows = own.max_rows
-            epilogues = own.argmax is not None
+            epilogues = own.epilogues
             self.fused_swiglu = (swiglu and epilogues
                                  and self.out_features % (2 * _SWIGLU_BLOCK) == 0)
             if (epilogues and rotary_cols > 0 and rotary_cols % ROTARY_HEAD_DIM == 0
@@ -244,8 +249,9 @@ class PackedLinear(nn.Module):
 
     def silu_mul(self, x: Tensor) -> Tensor | None:
         """``silu(gate) * up`` of this ``[gate | up]`` projection of rows x [T, in], in one
-        kernel call, where it was packed for that (``fused_swiglu``) and x is dense rows;
-        else None (the caller applies its own ``silu_mul`` to `forward`'s output)."""
+        kernel call, where it was packed for that (``fused_swiglu``) and x is dense rows, at most
+        ``kernel_max_rows`` of them; else None (the caller applies its own ``silu_mul`` to
+        `forward`'s output)."""
         if (self.fused_swiglu and x.dim() == 2 and x.stride(1) == 1
                 and x.shape[0] <= self.kernel_max_rows):
             return self._kernel(x, self._buffers["tiles"], self.kernel_bias, True)
@@ -255,8 +261,8 @@ class PackedLinear(nn.Module):
         """For each row of x [T, in], the index of the first maximum of this layer's bf16
         output (the values `forward` returns), from the kernel's greedy epilogue, which never
         stores the [T, out] product (an LM head's logits). None where this packing has no such
-        kernel, x is not dense rows, or an output is a NaN (the caller then takes `forward` and
-        its own argmax)."""
+        kernel, x is not dense rows or has more than ``kernel_max_rows``, or an output is a NaN
+        (the caller then takes `forward` and its own argmax)."""
         if (self._argmax_kernel is None or x.dim() != 2 or x.stride(1) != 1 or not x.shape[0]
                 or x.shape[0] > self.kernel_max_rows):
             return None
@@ -269,8 +275,8 @@ class PackedLinear(nn.Module):
         """(q, k, v): this qkv projection of rows x [T, in] with rotate-half RoPE on its q
         and k heads (cos, sin: [T, 32] bf16), in one kernel call, as views of one product:
         bit-identical to `forward` followed by ``Kernels.rotary_qkv``. None where it was not
-        packed for that, x is not dense rows or cos / sin are not 2-d bf16 (the caller does
-        the two steps)."""
+        packed for that, x is not dense rows or has more than ``kernel_max_rows``, or cos /
+        sin are not 2-d bf16 (the caller does the two steps)."""
         if (self.fused_rotary_cols and x.dim() == 2 and x.stride(1) == 1
                 and x.shape[0] <= self.kernel_max_rows and cos.dim() == 2
                 and sin.dim() == 2 and cos.dtype == sin.dtype == torch.bfloat16
