@@ -102,6 +102,14 @@ inline void linear_epilogue_args(int64_t M, int64_t N, bool swiglu,
                       t->sizes(), " strides ", t->strides());
 }
 
+// The rotary_cols of a qkv projection's rotary epilogue: its q and k heads' columns, 64 each
+// (positive head counts).
+inline int64_t rotary_qkv_cols(int64_t num_heads, int64_t num_kv_heads, const char* kernel) {
+  TORCH_CHECK_VALUE(num_heads > 0 && num_kv_heads > 0, kernel, ": need positive head counts, "
+                    "got ", num_heads, " and ", num_kv_heads);
+  return (num_heads + num_kv_heads) * 64;
+}
+
 // The rotary epilogue's product [M, (H + 2 KVH) * 64] as the attention takes it: views q
 // [M, H, 64], k and v [M, KVH, 64].
 inline std::tuple<at::Tensor, at::Tensor, at::Tensor> qkv_views(const at::Tensor& qkv,

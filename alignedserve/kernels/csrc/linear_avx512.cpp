@@ -659,11 +659,10 @@ at::Tensor linear_avx512_argmax(const at::Tensor& x, const at::Tensor& packed,
 std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_avx512_rotary_qkv(
     const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
     const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads, int64_t num_kv_heads) {
-  TORCH_CHECK_VALUE(num_heads > 0 && num_kv_heads > 0, "linear_avx512_rotary_qkv: need "
-                    "positive head counts, got ", num_heads, " and ", num_kv_heads);
+  constexpr const char* kName = "linear_avx512_rotary_qkv";
   const at::Tensor qkv = linear_avx512(x, packed, bias, false, cos, sin,
-                                       (num_heads + num_kv_heads) * kPanelBlocks * kBlock);
-  return checks::qkv_views(qkv, num_heads, num_kv_heads, "linear_avx512_rotary_qkv");
+                                       checks::rotary_qkv_cols(num_heads, num_kv_heads, kName));
+  return checks::qkv_views(qkv, num_heads, num_kv_heads, kName);
 }
 
 }  // namespace

@@ -284,11 +284,10 @@ at::Tensor amx_linear_argmax(const at::Tensor& x, const at::Tensor& packed,
 std::tuple<at::Tensor, at::Tensor, at::Tensor> amx_linear_rotary_qkv(
     const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
     const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads, int64_t num_kv_heads) {
-  TORCH_CHECK_VALUE(num_heads > 0 && num_kv_heads > 0, "amx_linear_rotary_qkv: need "
-                    "positive head counts, got ", num_heads, " and ", num_kv_heads);
+  constexpr const char* kName = "amx_linear_rotary_qkv";
   const at::Tensor qkv = amx_linear(x, packed, bias, false, cos, sin,
-                                    (num_heads + num_kv_heads) * 64);
-  return checks::qkv_views(qkv, num_heads, num_kv_heads, "amx_linear_rotary_qkv");
+                                    checks::rotary_qkv_cols(num_heads, num_kv_heads, kName));
+  return checks::qkv_views(qkv, num_heads, num_kv_heads, kName);
 }
 
 }  // namespace
