@@ -11,7 +11,7 @@ engine allocates them). hot: 8 rows of ``--hot-length`` tokens (1,000: ~6 MB in 
     python benchmarks/attention_micro.py --huge-pages-ab [--length 640]
     python benchmarks/attention_micro.py --layout-ab [--length 640]
     python benchmarks/attention_micro.py --read-share [--rounds 4]
-    python benchmarks/attention_micro.py --read-ahead-ab [BYTES ...] [--rounds 4]
+    python benchmarks/attention_micro.py --read-ahead-ab [BYTES|units ...] [--rounds 4]
     python benchmarks/attention_micro.py --builds-ab NAME=CSRC_DIR ... [--rounds 6]
 
 --huge-pages-ab times 30 layers over 64 bf16 tiled rows of one length with the caches on huge
@@ -22,8 +22,9 @@ bytes are the same; only how the kernel reads them differs). --read-share measur
 bf16 tiled calls (huge pages) and ``roofline.py``'s plain read rates (4 KiB and huge pages)
 in turns, in one process, and prints each round's shares: the issue's "decode attention reads
 KV at >= 80% of the read rate", with both sides measured in the same minute. --read-ahead-ab
-times the same cold calls with the dot-product kernel's read-ahead at each distance given
-(default 0 and 8192 bytes; avx512_bf16 path), in turns, with the huge-page read before each
+times the same cold calls with the dot-product kernel's per-head items at each read-ahead
+distance given, or as row units for ``units`` (default 0 and 8192 bytes; avx512_bf16 path),
+in turns, with the huge-page read before each
 round, and prints each distance's median rate relative to the first. --builds-ab compiles each
 given copy of ``alignedserve/kernels/csrc`` (edited to try a change) with the path's flags,
 checks that every build's output equals the first's, then times each build in turns: hot
@@ -108,8 +109,9 @@ def main() -> None:
     parser.add_argument("--length", type=int, default=640, help="tokens per row (A/B only)")
     parser.add_argument("--read-share", action="store_true",
                         help="cold bf16 tiled calls against the plain read rate, in turns")
-    parser.add_argument("--read-ahead-ab", nargs="*", type=int, metavar="BYTES",
-                        help="read-ahead distances alternated (default: 0 8192)")
+    parser.add_argument("--read-ahead-ab", nargs="*", type=read_order, metavar="BYTES|units",
+                        help="per-head items at these read-ahead distances, or row units "
+                             "('units'), alternated (default: 0 8192)")
     parser.add_argument("--builds-ab", nargs="+", metavar="NAME=CSRC_DIR",
                         help="kernel source trees built and alternated (first: the baseline)")
     parser.add_argument("--rounds", type=int, default=4,
@@ -198,9 +200,21 @@ def read_share(kernels, lengths: list[int], rounds: int) -> None:
             for kind, read in reads.items()))
 
 
-def read_ahead_ab(kernels, lengths: list[int], distances: list[int], rounds: int) -> None:
-    """Cold tiled bf16 calls (as --read-share) with each read-ahead distance in turns, the
-    huge-page read measured before each round."""
+def read_order(text: str) -> int | str:
+    """A --read-ahead-ab entry: a read-ahead distance in bytes (per-head items), or 'units'
+    (row units, which take no read-ahead)."""
+    return text if text == "units" else int(text)
+
+
+def order_name(order: int | str) -> str:
+    """How --read-ahead-ab prints one of its read orders."""
+    return "row units" if order == "units" else f"read-ahead {order}"
+
+
+def read_ahead_ab(kernels, lengths: list[int], distances: list[int | str], rounds: int) -> None:
+    """Cold tiled bf16 calls (as --read-share) with each read order in turns: per-head items
+    at each read-ahead distance given, or row units ('units'); the huge-page read measured
+    before each round."""
     from roofline import read_rates
 
     require_huge_pages()
@@ -209,7 +223,8 @@ def read_ahead_ab(kernels, lengths: list[int], distances: list[int], rounds: int
     variants = {}
     for distance in distances:
         variant = copy.copy(kernels)  # a private copy: the shared instance stays as chosen
-        variant.read_ahead = distance
+        variant.row_units = distance == "units"
+        variant.read_ahead = 0 if distance == "units" else distance
         variants[distance] = variant
     caches = make_caches(torch.bfloat16, lengths, LAYERS, HugePageArena())
     nbytes = kv_bytes(lengths, torch.bfloat16)
@@ -220,12 +235,12 @@ def read_ahead_ab(kernels, lengths: list[int], distances: list[int], rounds: int
             rates[d].append(nbytes / run(variants[d], torch.bfloat16, lengths, LAYERS, 3,
                                          True, caches))
         print(f"round {r}: read {read / 1e9:.1f} GB/s; " + "; ".join(
-            f"read-ahead {d}: {rates[d][-1] / 1e9:.1f} GB/s" for d in distances))
+            f"{order_name(d)}: {rates[d][-1] / 1e9:.1f} GB/s" for d in distances))
     first = rates[distances[0]]
     for d in distances:
         ratios = sorted(x / y for x, y in zip(rates[d], first))
-        print(f"read-ahead {d}: median {sorted(rates[d])[rounds // 2] / 1e9:.1f} GB/s, "
-              f"median ratio to {distances[0]}: {ratios[rounds // 2]:.3f} "
+        print(f"{order_name(d)}: median {sorted(rates[d])[rounds // 2] / 1e9:.1f} GB/s, "
+              f"median ratio to {order_name(distances[0])}: {ratios[rounds // 2]:.3f} "
               f"({ratios[0]:.3f}-{ratios[-1]:.3f})")
 
 

@@ -62,7 +62,8 @@ READ_AHEAD_ENV = "ALIGNEDSERVE_DECODE_READ_AHEAD"
 # Bytes the avx512_bf16 decode attention's per-head items keep requested ahead of their reads,
 # per CPU as (vendor_id, cpu family): on family 1Ah (Zen 5) that read faster than the hardware
 # prefetchers alone (docs/results/2026-12-05-zen5-decode-read-ahead.md). On Zen 4 every
-# software request pattern tried read slower; other CPUs are not measured: 0 (none).
+# software request pattern tried read slower, this one included (read against row units:
+# docs/results/2026-12-07-zen4-after-the-epilogues.md); other CPUs are not measured: 0 (none).
 _READ_AHEAD_BYTES = {("AuthenticAMD", 0x1A): 8192}
 _MAX_READ_AHEAD = 1 << 30  # past any span's reads: no requests at all
 
