@@ -24,8 +24,8 @@ in turns, in one process, and prints each round's shares: the issue's "decode at
 KV at >= 80% of the read rate", with both sides measured in the same minute. --read-ahead-ab
 times the same cold calls with the dot-product kernel's per-head items at each read-ahead
 distance given, or as row units for ``units`` (default 0 and 8192 bytes; avx512_bf16 path),
-in turns, with the huge-page read before each
-round, and prints each distance's median rate relative to the first. --builds-ab compiles each
+in turns, with the huge-page read before each round, and prints each order's median rate
+relative to the first. --builds-ab compiles each
 given copy of ``alignedserve/kernels/csrc`` (edited to try a change) with the path's flags,
 checks that every build's output equals the first's, then times each build in turns: hot
 (one thread, one 1,200-token row, which stays in L2; two threads, 8 rows of 1,000 tokens, L3)
