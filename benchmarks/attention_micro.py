@@ -144,6 +144,9 @@ def main() -> None:
         require_huge_pages()
     for name in args.dtypes:
         dtype = getattr(torch, name)
+        if args.tiled and dtype != torch.bfloat16:  # the tiled layout is bf16's alone
+            print(f"{name}: skipped (--tiled caches are bf16 only)")
+            continue
         pairs = sum(varied) * KV_HEADS * LAYERS
         caches = make_caches(dtype, varied, LAYERS, HugePageArena() if args.huge_pages else None)
         cold = run(kernels, dtype, varied, LAYERS, calls=5, tiled=args.tiled, caches=caches)
