@@ -103,8 +103,10 @@ class EngineConfig:
     split_decode: bool = False
     # Give every row the same bits whatever shares its step, at any step size. Every kernel
     # path but amx is built that way; on amx this makes its own linear take steps of any size
-    # instead of oneDNN above 1024 rows (whose rounding depends on the row count), at a cost
-    # not measured on AMX hardware (alignedserve.kernels.dispatch.Kernels).
+    # instead of oneDNN above 1024 rows (whose rounding depends on the row count). Off by
+    # default: on AMX hardware that costs more than the 5% a default may cost
+    # (docs/results/2026-12-08-amx-first-run-since-the-kernel-layer.md;
+    # alignedserve.kernels.dispatch.Kernels).
     batch_invariant: bool = False
     seed: int | None = None
     max_model_len: int | None = None  # None: the model's own context length
