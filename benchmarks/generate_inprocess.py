@@ -30,13 +30,15 @@ def main() -> None:
     parser.add_argument("--no-tiled-kv", dest="tiled_kv", action="store_false",
                         help="keep bf16 caches token-major where the path could tile them")
     parser.add_argument("--batch-invariant", action="store_true",
-                        help="the same bits whatever shares a step (on amx: its own linear at any row count)")
+                        help="the same bits whatever shares a step "
+                             "(on amx: its own linear at any row count)")
     args = parser.parse_args()
     requests = json.load(open(args.prompts))["requests"]
     # The KV budget is faulted in up front, as the server does (and as peers reserve theirs).
     llm = LLM.from_config(EngineConfig(
         policy=args.policy, num_threads=args.threads, kv_cache_dtype=args.kv_cache_dtype,
-        kernel_path=args.path, batch_invariant=args.batch_invariant, cache=CacheConfig(preallocate_kv=True, tiled_layout=args.tiled_kv)))
+        kernel_path=args.path, batch_invariant=args.batch_invariant,
+        cache=CacheConfig(preallocate_kv=True, tiled_layout=args.tiled_kv)))
     warm = [{"prompt_token_ids": r["prompt_token_ids"][:32]} for r in requests[:2]]
     llm.generate(warm, SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
     prompts = [{"prompt_token_ids": r["prompt_token_ids"]} for r in requests]
